@@ -1,0 +1,34 @@
+//! `guest-init`: PID 1 and agent of a micro-VM.
+//!
+//! The same binary runs as PID 1 of a VM (it mounts, loads modules, supervises the app and
+//! powers off) and as an ordinary process (a subreaper supervisor that exits with the app's
+//! status), so every behaviour is testable without a VM. See `docs/DESIGN.md` for the
+//! whole picture and `docs/CONFIG.md` for the configuration.
+//!
+//! Modules, from the bottom up:
+//! - [`log`]: one timestamped console line per event.
+//! - [`endpoint`]: Unix, vsock and TCP endpoints; one non-blocking connection type.
+//! - [`pump`]: byte-exact relaying with pooled buffers (shared with `host-relay`).
+//! - [`forward`]: the app's unchanged socket paths forwarded to the host, and host-to-guest
+//!   exports.
+//! - [`config`]: the JSON configuration and its validation.
+//! - [`boot`]: early mounts, hostname, loopback, kernel modules, switch-root.
+//! - [`app`]: starting the app as its user, with capabilities dropped.
+//! - [`supervisor`]: reaping, restarts, signal handling; [`shutdown`]: the orderly end.
+//! - [`control`]: the host's stop request over vsock.
+//! - [`panic`]: a panic in PID 1 becomes a logged, orderly power-off.
+//! - [`enroll`]: the VM's key and certificate through bootstrap-token enrollment.
+
+pub mod log;
+
+pub mod app;
+pub mod boot;
+pub mod config;
+pub mod control;
+pub mod endpoint;
+pub mod enroll;
+pub mod forward;
+pub mod panic;
+pub mod pump;
+pub mod shutdown;
+pub mod supervisor;

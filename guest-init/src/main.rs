@@ -1,0 +1,3 @@
+//! The `guest-init` binary (wired up by the supervisor work).
+
+fn main() {}
