@@ -11,6 +11,7 @@
 //! - [`pump`]: byte-exact relaying with pooled buffers (shared with `host-relay`).
 //! - [`forward`]: the app's unchanged socket paths forwarded to the host, and host-to-guest
 //!   exports.
+//! - [`ids`]: users and groups by name or number.
 //! - [`config`]: the JSON configuration and its validation.
 //! - [`boot`]: early mounts, hostname, loopback, kernel modules, switch-root.
 //! - [`app`]: starting the app as its user, with capabilities dropped.
@@ -28,6 +29,7 @@ pub mod control;
 pub mod endpoint;
 pub mod enroll;
 pub mod forward;
+pub mod ids;
 pub mod panic;
 pub mod pump;
 pub mod shutdown;
