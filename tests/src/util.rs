@@ -1,0 +1,100 @@
+//! Helpers every end-to-end test needs: where the binaries are, and what to do when a
+//! required tool is missing.
+//!
+//! A missing tool (QEMU, Dovecot, the guest kernel...) must never turn a test into one that
+//! silently passes. `scripts/test.sh` sets `REQUIRE_ALL=1`, under which [`require`] fails
+//! the test with the missing part's name; run by hand without it, the test prints
+//! `SKIPPED: <why>` and returns.
+
+use std::path::{Path, PathBuf};
+
+/// The workspace root.
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ has a parent")
+        .to_path_buf()
+}
+
+/// The cache directory (`$MICROVM_CACHE` or `<root>/.cache`).
+pub fn cache_dir() -> PathBuf {
+    std::env::var_os("MICROVM_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join(".cache"))
+}
+
+/// The cargo target directory.
+pub fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target"))
+}
+
+/// A host binary of the workspace, built for the host in the same profile as the tests.
+/// Builds it with cargo if it is not there yet.
+pub fn host_bin(name: &str) -> PathBuf {
+    let profile = if cfg!(debug_assertions) { "debug" } else { "release" };
+    let path = target_dir().join(profile).join(name);
+    if !path.exists() {
+        let mut cmd = std::process::Command::new(env!("CARGO"));
+        cmd.args(["build", "--quiet", "--bin", name]);
+        if profile == "release" {
+            cmd.arg("--release");
+        }
+        let status = cmd
+            .current_dir(workspace_root())
+            .status()
+            .expect("run cargo");
+        assert!(status.success(), "cargo build --bin {name} failed");
+    }
+    path
+}
+
+/// A static musl binary of the workspace (what a VM boots), from `$<NAME>_MUSL` or the
+/// release musl target directory. Builds it if missing.
+pub fn musl_bin(name: &str) -> PathBuf {
+    let var = format!("{}_MUSL", name.to_uppercase().replace('-', "_"));
+    if let Some(p) = std::env::var_os(&var) {
+        return PathBuf::from(p);
+    }
+    let path = target_dir()
+        .join("x86_64-unknown-linux-musl/release")
+        .join(name);
+    if !path.exists() {
+        let status = std::process::Command::new(env!("CARGO"))
+            .args(["build", "--quiet", "--release", "--target", "x86_64-unknown-linux-musl", "--bin", name])
+            .current_dir(workspace_root())
+            .status()
+            .expect("run cargo");
+        assert!(status.success(), "musl build of {name} failed");
+    }
+    path
+}
+
+/// Whether missing tools fail tests (`REQUIRE_ALL=1`) rather than skip them.
+pub fn require_all() -> bool {
+    std::env::var("REQUIRE_ALL").is_ok_and(|v| v == "1")
+}
+
+/// Returns `true` when `ok`; otherwise fails the test under `REQUIRE_ALL=1`, or prints
+/// `SKIPPED: <what>` and returns `false` so the caller can return early.
+pub fn require(ok: bool, what: &str) -> bool {
+    if ok {
+        return true;
+    }
+    if require_all() {
+        panic!("required for this test and missing: {what} (run scripts/setup.sh)");
+    }
+    eprintln!("SKIPPED: {what} is missing (run scripts/setup.sh)");
+    false
+}
+
+/// Whether an executable is on `PATH` (or is an existing absolute path).
+pub fn have_program(name: &str) -> bool {
+    if Path::new(name).is_absolute() {
+        return Path::new(name).exists();
+    }
+    std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join(name).is_file()))
+        .unwrap_or(false)
+}
