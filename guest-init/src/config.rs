@@ -1,1 +1,701 @@
-//! (to be written)
+//! The configuration: one JSON file that says everything PID 1 does.
+//!
+//! Where it comes from, first match wins:
+//! 1. `--config PATH` on guest-init's own command line (tests, ordinary-process mode);
+//! 2. `guest_init.config=PATH` on the kernel command line (`/proc/cmdline`; PID 1 only, so
+//!    an image can carry several configurations and the VM's launcher picks one);
+//! 3. [`DEFAULT_PATH`].
+//!
+//! Design:
+//! - **Strict parsing.** Every struct denies unknown fields and the file carries a
+//!   `version`: a misspelt field (`"grace_period"` for `"grace_period_ms"`) is an error, not
+//!   a silently ignored setting that changes how the VM behaves.
+//! - **Errors name the field.** `serde_json` reports only a line and column, so parsing goes
+//!   through `serde_path_to_error`, which tracks the path (`app.restart.max_restarts`), and
+//!   a second, semantic pass ([`Config::validate`]) checks what types cannot: absolute paths,
+//!   that users and groups resolve, a non-empty command. Each message has the form
+//!   `<field path>: <what is wrong>; <how to fix it>`.
+//! - **Validation touches nothing.** It reads `/etc/passwd` and `/etc/group` through libc but
+//!   never mounts, binds or spawns, so `guest-init check-config FILE` is safe anywhere.
+//! - **Secrets stay out.** This file holds no secret itself; enrollment's bootstrap token is
+//!   referenced by path inside the `enrollment` section (see `docs/ENROLLMENT.md`), and no
+//!   error message quotes a value from that section.
+//!
+//! Every field is documented, with its default and an example, in `docs/CONFIG.md`.
+
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::endpoint::Endpoint;
+use crate::enroll::EnrollConfig;
+use crate::forward::{ExportSpec, ServiceSpec};
+use crate::ids::IdRef;
+
+/// Where the configuration is read from when nothing else names a path.
+pub const DEFAULT_PATH: &str = "/etc/guest-init.json";
+
+/// The kernel command-line parameter that names the configuration path.
+pub const CMDLINE_KEY: &str = "guest_init.config";
+
+/// The configuration format version this build understands.
+pub const VERSION: u32 = 1;
+
+/// The `PATH` the app gets when its `env` does not set one.
+pub const DEFAULT_APP_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// A configuration that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file cannot be read.
+    #[error("cannot read configuration {path}: {source}")]
+    Read {
+        /// The path.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The JSON does not parse or does not match the schema.
+    #[error("{path}: {field}: {message} (line {line}, column {column})")]
+    Parse {
+        /// The file.
+        path: String,
+        /// The field path, e.g. `app.restart.max_restarts`.
+        field: String,
+        /// What is wrong.
+        message: String,
+        /// Line of the error.
+        line: usize,
+        /// Column of the error.
+        column: usize,
+    },
+    /// A field has a value that parses but cannot be used.
+    #[error("{field}: {reason}")]
+    Invalid {
+        /// The field path.
+        field: String,
+        /// What is wrong and how to fix it.
+        reason: String,
+    },
+}
+
+impl ConfigError {
+    fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        ConfigError::Invalid {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// The whole configuration file.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Format version; must be [`VERSION`].
+    pub version: u32,
+    /// Hostname to set (PID 1 only).
+    #[serde(default)]
+    pub hostname: Option<String>,
+    /// The most verbose console level printed.
+    #[serde(default)]
+    pub log_level: LogLevel,
+    /// Kernel modules to load, in order, from `modules_dir/<name>.ko`.
+    #[serde(default)]
+    pub modules: Vec<String>,
+    /// Where the module files are.
+    #[serde(default = "default_modules_dir")]
+    pub modules_dir: PathBuf,
+    /// Optional switch to a root filesystem on a block device.
+    #[serde(default)]
+    pub root: Option<RootConfig>,
+    /// Optional static IPv4 configuration of one interface.
+    #[serde(default)]
+    pub network: Option<NetworkConfig>,
+    /// The app PID 1 runs.
+    pub app: AppConfig,
+    /// Guest-to-host socket forwarding (`docs/FORWARDING.md`).
+    #[serde(default)]
+    pub services: Vec<ServiceSpec>,
+    /// Host-to-guest forwarding (`docs/FORWARDING.md`).
+    #[serde(default)]
+    pub exports: Vec<ExportSpec>,
+    /// The host's control port (stop, ping).
+    #[serde(default)]
+    pub control: Option<ControlConfig>,
+    /// How the VM ends.
+    #[serde(default)]
+    pub shutdown: ShutdownConfig,
+    /// Enrollment for a key and certificate (`docs/ENROLLMENT.md`).
+    #[serde(default)]
+    pub enrollment: Option<EnrollConfig>,
+    /// Test hook: panic deliberately right after the ready line, to exercise the panic path.
+    #[serde(default)]
+    pub debug_panic_after_ready: bool,
+}
+
+fn default_modules_dir() -> PathBuf {
+    PathBuf::from("/lib/modules")
+}
+
+/// Console verbosity.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogLevel {
+    /// Errors only.
+    Error,
+    /// Errors and warnings.
+    Warn,
+    /// One line per normal event.
+    #[default]
+    Info,
+    /// Everything, including each reaped orphan.
+    Debug,
+}
+
+impl From<LogLevel> for crate::log::Level {
+    fn from(l: LogLevel) -> Self {
+        match l {
+            LogLevel::Error => crate::log::Level::Error,
+            LogLevel::Warn => crate::log::Level::Warn,
+            LogLevel::Info => crate::log::Level::Info,
+            LogLevel::Debug => crate::log::Level::Debug,
+        }
+    }
+}
+
+/// The `root` section: switch to a root filesystem on a block device.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RootConfig {
+    /// The block device, e.g. `/dev/vda`.
+    pub device: PathBuf,
+    /// Filesystem type.
+    #[serde(default = "default_fstype")]
+    pub fstype: String,
+    /// Filesystem-specific mount options (`data` argument of mount(2)), e.g. `"discard"`.
+    #[serde(default)]
+    pub options: String,
+    /// Mount read-only.
+    #[serde(default)]
+    pub read_only: bool,
+    /// How long to wait for the device node to appear.
+    #[serde(default = "default_root_wait_ms")]
+    pub wait_ms: u64,
+}
+
+fn default_fstype() -> String {
+    "ext4".into()
+}
+
+fn default_root_wait_ms() -> u64 {
+    5000
+}
+
+/// The `network` section: one interface with a static IPv4 address.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkConfig {
+    /// Interface name, e.g. `eth0`.
+    pub interface: String,
+    /// Address with prefix length, e.g. `10.0.2.15/24`.
+    pub address: String,
+    /// Default gateway, e.g. `10.0.2.2`.
+    #[serde(default)]
+    pub gateway: Option<Ipv4Addr>,
+    /// How long to wait for the interface to appear (its driver may have just loaded).
+    #[serde(default = "default_net_wait_ms")]
+    pub wait_ms: u64,
+}
+
+fn default_net_wait_ms() -> u64 {
+    3000
+}
+
+impl NetworkConfig {
+    /// The address and prefix length.
+    pub fn parsed_address(&self) -> Result<(Ipv4Addr, u8), String> {
+        let (a, p) = self.address.split_once('/').ok_or_else(|| {
+            format!(
+                "{:?} has no prefix length; write it as A.B.C.D/N, e.g. 10.0.2.15/24",
+                self.address
+            )
+        })?;
+        let addr: Ipv4Addr = a
+            .parse()
+            .map_err(|_| format!("{a:?} is not an IPv4 address; write A.B.C.D/N"))?;
+        let prefix: u8 = p
+            .parse()
+            .ok()
+            .filter(|n| *n <= 32)
+            .ok_or_else(|| format!("prefix length {p:?} is not a number from 0 to 32"))?;
+        Ok((addr, prefix))
+    }
+}
+
+/// The `app` section.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AppConfig {
+    /// Program and arguments. The program is an absolute path or found in the app's `PATH`.
+    pub command: Vec<String>,
+    /// The Unix user the app runs as (name or number). Required: root must be asked for.
+    pub user: IdRef,
+    /// The primary group; defaults to the user's group from `/etc/passwd`.
+    #[serde(default)]
+    pub group: Option<IdRef>,
+    /// Supplementary groups.
+    #[serde(default)]
+    pub supplementary_groups: Vec<IdRef>,
+    /// The whole environment (it starts empty); `PATH` defaults to [`DEFAULT_APP_PATH`].
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Working directory.
+    #[serde(default = "default_workdir")]
+    pub workdir: PathBuf,
+    /// What happens when the app exits.
+    #[serde(default)]
+    pub restart: RestartConfig,
+}
+
+fn default_workdir() -> PathBuf {
+    PathBuf::from("/")
+}
+
+/// Restart policy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RestartPolicy {
+    /// The first exit is the end: shut down.
+    #[default]
+    Never,
+    /// Restart after a non-zero exit or a signal, with backoff, up to `max_restarts` times.
+    OnFailure,
+}
+
+/// The `app.restart` section.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RestartConfig {
+    /// The policy.
+    #[serde(default)]
+    pub policy: RestartPolicy,
+    /// Restarts allowed before the failure is final.
+    #[serde(default = "default_max_restarts")]
+    pub max_restarts: u32,
+    /// Delay before the first restart; it doubles on each further restart.
+    #[serde(default = "default_initial_backoff_ms")]
+    pub initial_backoff_ms: u64,
+    /// Upper bound of the delay.
+    #[serde(default = "default_max_backoff_ms")]
+    pub max_backoff_ms: u64,
+}
+
+impl Default for RestartConfig {
+    fn default() -> Self {
+        RestartConfig {
+            policy: RestartPolicy::default(),
+            max_restarts: default_max_restarts(),
+            initial_backoff_ms: default_initial_backoff_ms(),
+            max_backoff_ms: default_max_backoff_ms(),
+        }
+    }
+}
+
+fn default_max_restarts() -> u32 {
+    5
+}
+fn default_initial_backoff_ms() -> u64 {
+    200
+}
+fn default_max_backoff_ms() -> u64 {
+    10_000
+}
+
+/// The `control` section.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ControlConfig {
+    /// Where the host's control connections arrive.
+    pub listen: Endpoint,
+}
+
+/// What the kernel is asked to do at the end.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ShutdownAction {
+    /// `reboot(RB_POWER_OFF)`: QEMU and Cloud Hypervisor end the VM.
+    #[default]
+    Poweroff,
+    /// `reboot(RB_AUTOBOOT)`: Firecracker on x86 (with `reboot=k`) ends the VM only so.
+    Reboot,
+}
+
+/// The `shutdown` section.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShutdownConfig {
+    /// Time between SIGTERM and SIGKILL.
+    #[serde(default = "default_grace_ms")]
+    pub grace_period_ms: u64,
+    /// Power off or reboot.
+    #[serde(default)]
+    pub action: ShutdownAction,
+}
+
+impl Default for ShutdownConfig {
+    fn default() -> Self {
+        ShutdownConfig {
+            grace_period_ms: default_grace_ms(),
+            action: ShutdownAction::default(),
+        }
+    }
+}
+
+fn default_grace_ms() -> u64 {
+    5000
+}
+
+impl Config {
+    /// Reads, parses and validates a configuration file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let cfg = Config::parse(&text, &path.display().to_string())?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Parses JSON text; `origin` names it in errors. Does not validate.
+    pub fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
+        let de = &mut serde_json::Deserializer::from_str(text);
+        serde_path_to_error::deserialize(de).map_err(|e| {
+            let inner = e.inner();
+            let (line, column) = (inner.line(), inner.column());
+            let mut message = inner.to_string();
+            // serde_json appends " at line L column C"; we print them once, at the end.
+            if let Some(i) = message.rfind(" at line ") {
+                message.truncate(i);
+            }
+            let mut field = e.path().to_string();
+            // A missing field is reported at its parent; name the field itself.
+            if let Some(name) = message
+                .strip_prefix("missing field `")
+                .and_then(|r| r.split('`').next())
+            {
+                field = if field == "." {
+                    name.to_owned()
+                } else {
+                    format!("{field}.{name}")
+                };
+            }
+            if field == "." {
+                field = "(top level)".into();
+            }
+            ConfigError::Parse {
+                path: origin.to_owned(),
+                field,
+                message,
+                line,
+                column,
+            }
+        })
+    }
+
+    /// Checks everything the types cannot express. Touches nothing but the passwd and group
+    /// databases.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.version != VERSION {
+            return Err(ConfigError::invalid(
+                "version",
+                format!(
+                    "version {} is not supported; this guest-init reads version {VERSION}",
+                    self.version
+                ),
+            ));
+        }
+        if let Some(h) = &self.hostname {
+            let ok = !h.is_empty()
+                && h.len() <= 64
+                && h.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.');
+            if !ok {
+                return Err(ConfigError::invalid(
+                    "hostname",
+                    format!("{h:?} is not a hostname; use 1 to 64 letters, digits, '-' or '.'"),
+                ));
+            }
+        }
+        for (i, m) in self.modules.iter().enumerate() {
+            if m.is_empty() || m.contains('/') || m.ends_with(".ko") {
+                return Err(ConfigError::invalid(
+                    format!("modules[{i}]"),
+                    format!("{m:?} is not a module name; write the bare name such as \"virtio_pci\" (the file is modules_dir/<name>.ko)"),
+                ));
+            }
+        }
+        absolute("modules_dir", &self.modules_dir)?;
+        if let Some(root) = &self.root {
+            absolute("root.device", &root.device)?;
+            if root.fstype.is_empty() {
+                return Err(ConfigError::invalid(
+                    "root.fstype",
+                    "empty; name a filesystem type such as \"ext4\"",
+                ));
+            }
+        }
+        if let Some(net) = &self.network {
+            if net.interface.is_empty() || net.interface.len() >= libc::IFNAMSIZ {
+                return Err(ConfigError::invalid(
+                    "network.interface",
+                    format!(
+                        "{:?} is not an interface name (1 to 15 bytes)",
+                        net.interface
+                    ),
+                ));
+            }
+            net.parsed_address()
+                .map_err(|r| ConfigError::invalid("network.address", r))?;
+        }
+        self.validate_app()?;
+        for (i, s) in self.services.iter().enumerate() {
+            if !s.listen.is_absolute() {
+                return Err(ConfigError::invalid(
+                    format!("services[{i}].listen"),
+                    format!(
+                        "relative path {:?}; use an absolute path (the app's own socket path)",
+                        s.listen.display().to_string()
+                    ),
+                ));
+            }
+        }
+        crate::forward::validate(&self.services, &self.exports).map_err(|e| match e {
+            crate::forward::ForwardError::Invalid { field, reason } => {
+                ConfigError::Invalid { field, reason }
+            }
+            other => ConfigError::invalid("services", other.to_string()),
+        })?;
+        if let Some(c) = &self.control {
+            c.listen
+                .validate()
+                .map_err(|r| ConfigError::invalid("control.listen", r))?;
+            if let Endpoint::Vsock { port, .. } = c.listen {
+                if port == u32::MAX {
+                    return Err(ConfigError::invalid(
+                        "control.listen",
+                        "vsock port 4294967295 cannot be listened on; use a fixed port such as 1024",
+                    ));
+                }
+            }
+        }
+        if let Some(e) = &self.enrollment {
+            crate::enroll::validate(e).map_err(|r| ConfigError::invalid("enrollment", r))?;
+        }
+        Ok(())
+    }
+
+    fn validate_app(&self) -> Result<(), ConfigError> {
+        let app = &self.app;
+        match app.command.first() {
+            None => {
+                return Err(ConfigError::invalid(
+                    "app.command",
+                    "empty; give the program and its arguments, e.g. [\"/usr/bin/radicale\"]",
+                ))
+            }
+            Some(p) if p.is_empty() => {
+                return Err(ConfigError::invalid(
+                    "app.command[0]",
+                    "empty program name; give an absolute path or a name found in PATH",
+                ))
+            }
+            _ => {}
+        }
+        if app.command.iter().any(|a| a.contains('\0')) {
+            return Err(ConfigError::invalid(
+                "app.command",
+                "an argument contains a NUL byte",
+            ));
+        }
+        app.resolve_ids()?;
+        for (k, v) in &app.env {
+            if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
+                return Err(ConfigError::invalid(
+                    format!("app.env.{k}"),
+                    "a variable name must be non-empty without '=' and neither name nor value may contain NUL",
+                ));
+            }
+        }
+        absolute("app.workdir", &app.workdir)?;
+        let r = &app.restart;
+        if r.initial_backoff_ms > r.max_backoff_ms {
+            return Err(ConfigError::invalid(
+                "app.restart.initial_backoff_ms",
+                format!(
+                    "{} is above max_backoff_ms {}; lower it or raise max_backoff_ms",
+                    r.initial_backoff_ms, r.max_backoff_ms
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The app's credentials, resolved.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Credentials {
+    /// User id.
+    pub uid: u32,
+    /// Primary group id.
+    pub gid: u32,
+    /// Supplementary group ids.
+    pub groups: Vec<u32>,
+}
+
+impl AppConfig {
+    /// Resolves user, group and supplementary groups; errors name the field.
+    pub fn resolve_ids(&self) -> Result<Credentials, ConfigError> {
+        let (uid, passwd_gid) = self
+            .user
+            .resolve_user()
+            .map_err(|e| ConfigError::invalid("app.user", e.to_string()))?;
+        let gid = match &self.group {
+            Some(g) => g
+                .resolve_group()
+                .map_err(|e| ConfigError::invalid("app.group", e.to_string()))?,
+            None => passwd_gid.ok_or_else(|| {
+                ConfigError::invalid(
+                    "app.group",
+                    format!(
+                        "missing, and user {} has no /etc/passwd entry to take a primary group from; set app.group",
+                        self.user
+                    ),
+                )
+            })?,
+        };
+        let mut groups = Vec::with_capacity(self.supplementary_groups.len());
+        for (i, g) in self.supplementary_groups.iter().enumerate() {
+            groups.push(
+                g.resolve_group()
+                    .map_err(|e| {
+                        ConfigError::invalid(
+                            format!("app.supplementary_groups[{i}]"),
+                            e.to_string(),
+                        )
+                    })?
+                    .as_raw(),
+            );
+        }
+        Ok(Credentials {
+            uid: uid.as_raw(),
+            gid: gid.as_raw(),
+            groups,
+        })
+    }
+}
+
+fn absolute(field: &str, p: &Path) -> Result<(), ConfigError> {
+    if p.is_absolute() {
+        Ok(())
+    } else {
+        Err(ConfigError::invalid(
+            field,
+            format!(
+                "relative path {:?}; use an absolute path",
+                p.display().to_string()
+            ),
+        ))
+    }
+}
+
+/// Finds `guest_init.config=PATH` in a kernel command line.
+pub fn path_from_cmdline(cmdline: &str) -> Option<PathBuf> {
+    cmdline.split_ascii_whitespace().find_map(|tok| {
+        tok.strip_prefix(CMDLINE_KEY)
+            .and_then(|r| r.strip_prefix('='))
+            .filter(|p| !p.is_empty())
+            .map(PathBuf::from)
+    })
+}
+
+/// Chooses the configuration path: `--config` first, then (PID 1 only) the kernel command
+/// line, then [`DEFAULT_PATH`].
+pub fn choose_path(flag: Option<&Path>, read_cmdline: bool) -> PathBuf {
+    if let Some(p) = flag {
+        return p.to_owned();
+    }
+    if read_cmdline {
+        if let Some(p) = std::fs::read_to_string("/proc/cmdline")
+            .ok()
+            .as_deref()
+            .and_then(path_from_cmdline)
+        {
+            return p;
+        }
+    }
+    PathBuf::from(DEFAULT_PATH)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"{"version": 1, "app": {"command": ["/bin/true"], "user": 0}}"#;
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let c = Config::parse(MINIMAL, "t").unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.shutdown.grace_period_ms, 5000);
+        assert_eq!(c.shutdown.action, ShutdownAction::Poweroff);
+        assert_eq!(c.app.restart.policy, RestartPolicy::Never);
+        assert_eq!(c.modules_dir, PathBuf::from("/lib/modules"));
+        assert_eq!(c.app.workdir, PathBuf::from("/"));
+        assert_eq!(c.log_level, LogLevel::Info);
+        // root has a passwd entry, so its group comes from there.
+        assert_eq!(c.app.resolve_ids().unwrap().gid, 0);
+    }
+
+    #[test]
+    fn cmdline_parameter_is_found() {
+        assert_eq!(
+            path_from_cmdline("console=ttyS0 guest_init.config=/etc/b.json quiet"),
+            Some(PathBuf::from("/etc/b.json"))
+        );
+        assert_eq!(
+            path_from_cmdline("console=ttyS0 guest_init.configx=/a"),
+            None
+        );
+        assert_eq!(path_from_cmdline("guest_init.config="), None);
+        assert_eq!(
+            choose_path(Some(Path::new("/x.json")), true),
+            PathBuf::from("/x.json")
+        );
+    }
+
+    #[test]
+    fn network_address_parses() {
+        let n = NetworkConfig {
+            interface: "eth0".into(),
+            address: "10.0.2.15/24".into(),
+            gateway: None,
+            wait_ms: 0,
+        };
+        assert_eq!(
+            n.parsed_address().unwrap(),
+            (Ipv4Addr::new(10, 0, 2, 15), 24)
+        );
+        for bad in ["10.0.2.15", "10.0.2/24", "10.0.2.15/33", "x/8"] {
+            let n = NetworkConfig {
+                address: bad.into(),
+                ..n.clone()
+            };
+            assert!(n.parsed_address().is_err(), "{bad}");
+        }
+    }
+}

@@ -1,1 +1,228 @@
-//! (to be written)
+//! The control port: how the host asks a running VM to stop.
+//!
+//! Protocol (`docs/CONTRACTS.md`): one line per request. `stop\n` answers `ok stopping\n`
+//! and starts the orderly shutdown, the same path SIGTERM takes; `ping\n` answers
+//! `ok pong\n`; anything else answers `error unknown command\n`. The listener is usually
+//! vsock port 1024 (`{"vsock": {"cid": 4294967295, "port": 1024}}`); tests use a Unix path.
+//!
+//! Threat: who may stop the VM. On vsock only the host can connect to a guest port (other
+//! VMs cannot reach this VM's vsock), and stopping is what the host can do anyway by
+//! killing the VMM, so the port grants nothing new. A Unix path is reachable by processes
+//! inside the VM: the socket is created mode 0600 owned by root, so the app (which runs as
+//! its own user without capabilities) cannot stop its own VM through it.
+//!
+//! Robustness: each connection is its own task, with a bounded line (64 bytes) and a read
+//! timeout, so a client that sends garbage or nothing affects only itself, and errors end
+//! only that connection, never the accept loop. After `ok stopping` the reply is
+//! half-closed and the task waits briefly for the host's end of stream before it triggers
+//! the shutdown: a guest that writes and powers off at once can lose its last bytes on
+//! vsock (`shared/notes/vm-and-vsock.md`).
+
+use std::os::unix::fs::PermissionsExt;
+use std::time::Duration;
+
+use tokio::sync::mpsc::UnboundedSender;
+use tokio::task::JoinHandle;
+
+use crate::endpoint::{Conn, Endpoint, Listener};
+use crate::{debug, warn};
+
+/// Longest request line accepted.
+const MAX_LINE: usize = 64;
+/// How long a client may take to send its line.
+const READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long to wait for the host to close after `ok stopping`.
+const LINGER: Duration = Duration::from_millis(500);
+
+/// A control listener that could not be set up.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot listen at {endpoint}: {source}")]
+pub struct ControlError {
+    endpoint: String,
+    #[source]
+    source: std::io::Error,
+}
+
+/// Binds the control endpoint and spawns its accept loop on the current runtime. Each
+/// `stop` sends one `()` on `stop`.
+pub fn start(ep: &Endpoint, stop: UnboundedSender<()>) -> Result<JoinHandle<()>, ControlError> {
+    let err = |source| ControlError {
+        endpoint: ep.to_string(),
+        source,
+    };
+    if let Some(path) = ep.unix_path() {
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent).map_err(err)?;
+        }
+        remove_stale_socket(path).map_err(err)?;
+    }
+    let listener = ep.listen().map_err(err)?;
+    if let Some(path) = ep.unix_path() {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(err)?;
+    }
+    debug!("control: listening at {ep}");
+    Ok(tokio::spawn(accept_loop(listener, stop)))
+}
+
+/// Removes a socket left by an earlier run; refuses to remove anything that is not a socket.
+fn remove_stale_socket(path: &std::path::Path) -> std::io::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path),
+        Ok(_) => Err(std::io::Error::new(
+            std::io::ErrorKind::AlreadyExists,
+            "the path exists and is not a socket; remove it or choose another path",
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+async fn accept_loop(listener: Listener, stop: UnboundedSender<()>) {
+    loop {
+        match listener.accept().await {
+            Ok((conn, peer)) => {
+                let stop = stop.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = serve(conn, &stop).await {
+                        debug!("control: connection from {peer}: {e}");
+                    }
+                });
+            }
+            Err(e) => {
+                // EMFILE and friends: back off a little instead of spinning; never end.
+                warn!("control: accept: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// What a request line asks for.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Command {
+    /// `stop`
+    Stop,
+    /// `ping`
+    Ping,
+    /// Anything else.
+    Unknown,
+}
+
+/// Parses one request line (without its newline; a trailing `\r` is tolerated).
+pub fn parse(line: &[u8]) -> Command {
+    match line.strip_suffix(b"\r").unwrap_or(line) {
+        b"stop" => Command::Stop,
+        b"ping" => Command::Ping,
+        _ => Command::Unknown,
+    }
+}
+
+async fn read_line(conn: &Conn) -> std::io::Result<Vec<u8>> {
+    let mut line = Vec::with_capacity(MAX_LINE);
+    let mut buf = [0u8; MAX_LINE];
+    loop {
+        let n = conn.read(&mut buf[..MAX_LINE - line.len()]).await?;
+        if n == 0 {
+            return Ok(line);
+        }
+        line.extend_from_slice(&buf[..n]);
+        if let Some(i) = line.iter().position(|b| *b == b'\n') {
+            line.truncate(i);
+            return Ok(line);
+        }
+        if line.len() >= MAX_LINE {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "request line longer than 64 bytes",
+            ));
+        }
+    }
+}
+
+async fn serve(conn: Conn, stop: &UnboundedSender<()>) -> std::io::Result<()> {
+    let line = match tokio::time::timeout(READ_TIMEOUT, read_line(&conn)).await {
+        Ok(r) => r?,
+        Err(_) => return Err(std::io::ErrorKind::TimedOut.into()),
+    };
+    match parse(&line) {
+        Command::Ping => conn.write_all(b"ok pong\n").await,
+        Command::Unknown => conn.write_all(b"error unknown command\n").await,
+        Command::Stop => {
+            let reply = conn.write_all(b"ok stopping\n").await;
+            if reply.is_ok() {
+                let _ = conn.shutdown_write();
+                let mut b = [0u8; 16];
+                let _ = tokio::time::timeout(LINGER, async {
+                    while matches!(conn.read(&mut b).await, Ok(n) if n > 0) {}
+                })
+                .await;
+            }
+            // The host asked; stop even if it left before reading the answer.
+            let _ = stop.send(());
+            reply
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commands_parse() {
+        assert_eq!(parse(b"stop"), Command::Stop);
+        assert_eq!(parse(b"stop\r"), Command::Stop);
+        assert_eq!(parse(b"ping"), Command::Ping);
+        assert_eq!(parse(b"STOP"), Command::Unknown);
+        assert_eq!(parse(b""), Command::Unknown);
+    }
+
+    async fn try_ask(path: &std::path::Path, req: &[u8]) -> std::io::Result<Vec<u8>> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::UnixStream::connect(path).await?;
+        s.write_all(req).await?;
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).await?;
+        Ok(out)
+    }
+
+    async fn ask(path: &std::path::Path, req: &[u8]) -> Vec<u8> {
+        try_ask(path, req).await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn answers_and_stops_only_on_stop() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run/control.sock");
+        // A stale socket from an earlier run is replaced.
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let _h = start(&Endpoint::Unix(path.clone()), tx).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+
+        assert_eq!(ask(&path, b"ping\n").await, b"ok pong\n");
+        assert_eq!(ask(&path, b"reboot\n").await, b"error unknown command\n");
+        assert!(rx.try_recv().is_err(), "ping and unknown must not stop");
+        // A client that floods garbage without a newline is cut off; the loop goes on.
+        // (Closing with unread input makes the client see ECONNRESET, or nothing at all.)
+        let flood = try_ask(&path, &[b'x'; 200]).await;
+        assert!(flood.as_ref().map_or(true, |o| o.is_empty()), "{flood:?}");
+        assert_eq!(ask(&path, b"stop\n").await, b"ok stopping\n");
+        tokio::time::timeout(Duration::from_secs(5), rx.recv())
+            .await
+            .unwrap()
+            .unwrap();
+    }
+
+    #[test]
+    fn a_non_socket_at_the_path_is_not_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("precious");
+        std::fs::write(&path, b"data").unwrap();
+        assert!(remove_stale_socket(&path).is_err());
+        assert_eq!(std::fs::read(&path).unwrap(), b"data");
+    }
+}

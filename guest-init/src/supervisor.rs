@@ -1,1 +1,312 @@
-//! (to be written)
+//! Supervision: start everything, reap every child, restart the app, and turn every way of
+//! ending into one call to the orderly shutdown.
+//!
+//! **Reaping.** PID 1 inherits every orphan in the VM; in ordinary mode guest-init makes
+//! itself a child subreaper (`PR_SET_CHILD_SUBREAPER`) so the app's orphans come to it
+//! instead of escaping to the host's init. On each SIGCHLD the supervisor drains
+//! `waitpid(-1, WNOHANG)` until nothing is left to reap, and recognises the app's pid
+//! *inside* that loop: signals coalesce, so one SIGCHLD may stand for the app and a hundred
+//! orphans at once, and a supervisor that only waits for its main child (catatonit #4)
+//! either leaks zombies or misses the app's end.
+//!
+//! **Signals.** SIGTERM, SIGINT (what the kernel sends PID 1 for Ctrl-Alt-Del once
+//! `reboot(RB_DISABLE_CAD)` is set), SIGPWR and the host's `stop` on the control port all
+//! return a [`Reason`] from [`run`], and the caller runs the one shutdown path. SIGHUP,
+//! SIGUSR1 and SIGUSR2 are forwarded to the app process (reload, log rotation), not its
+//! whole group. Handlers are installed before the app starts, so no signal finds PID 1
+//! without a handler (for PID 1 such a signal would simply be dropped by the kernel).
+//!
+//! **Restarts.** With `restart.policy = on-failure`, a non-zero exit or a death by signal
+//! restarts the app after a delay that starts at `initial_backoff_ms` and doubles up to
+//! `max_backoff_ms`, at most `max_restarts` times. Signals are still handled during the
+//! delay. An exit with status 0, or the last allowed failure, ends the app for good.
+//!
+//! **Readiness.** `ready in <ms> ms (...)` is printed once the forwarders are listening
+//! (`forward::start` returned), the control port listens, enrollment is done and the app
+//! has been spawned; the time is measured from guest-init's first instruction in `main`.
+
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{kill, Signal};
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use nix::unistd::Pid;
+use tokio::signal::unix::{signal, Signal as Stream, SignalKind};
+use tokio::sync::mpsc;
+
+use crate::app::AppSpec;
+use crate::config::{Config, RestartPolicy};
+use crate::shutdown::{self, Reason};
+use crate::{debug, error, info, warn};
+
+/// How a process ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Exit {
+    /// It exited with this status.
+    Code(i32),
+    /// A signal killed it.
+    Signal(Signal),
+}
+
+impl Exit {
+    /// The shell convention: the status, or 128 + the signal number.
+    pub fn code(self) -> i32 {
+        match self {
+            Exit::Code(c) => c,
+            Exit::Signal(s) => 128 + s as i32,
+        }
+    }
+
+    /// Whether it counts as a failure for the restart policy.
+    pub fn failed(self) -> bool {
+        self != Exit::Code(0)
+    }
+}
+
+/// What one drain of `waitpid` found.
+#[derive(Debug, Default)]
+pub struct Reaped {
+    /// The app's end, if the app was among the reaped.
+    pub app: Option<Exit>,
+    /// How many other processes (orphans) were reaped.
+    pub orphans: usize,
+    /// No child is left at all (`ECHILD`).
+    pub no_children: bool,
+}
+
+/// Drains `waitpid(-1, WNOHANG)` until nothing more is ready, noting the app's end.
+pub fn reap(app: Option<Pid>) -> Reaped {
+    let mut r = Reaped::default();
+    loop {
+        let (pid, exit) = match waitpid(None::<Pid>, Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::StillAlive) => return r,
+            Ok(WaitStatus::Exited(pid, code)) => (pid, Exit::Code(code)),
+            Ok(WaitStatus::Signaled(pid, sig, _)) => (pid, Exit::Signal(sig)),
+            Ok(_) => continue,
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(nix::errno::Errno::ECHILD) => {
+                r.no_children = true;
+                return r;
+            }
+            Err(e) => {
+                warn!("waitpid: {e}");
+                return r;
+            }
+        };
+        if Some(pid) == app {
+            r.app = Some(exit);
+        } else {
+            r.orphans += 1;
+            match exit {
+                Exit::Code(c) => debug!("reaped pid={pid} status={c}"),
+                Exit::Signal(s) => debug!("reaped pid={pid} signal={}", s.as_str()),
+            }
+        }
+    }
+}
+
+/// Makes this process a child subreaper (ordinary mode): orphans below it re-parent to it.
+pub fn become_subreaper() -> std::io::Result<()> {
+    // SAFETY: prctl(PR_SET_CHILD_SUBREAPER, 1) takes no pointers; it sets a process flag.
+    if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+struct Signals {
+    term: Stream,
+    int: Stream,
+    pwr: Stream,
+    chld: Stream,
+    hup: Stream,
+    usr1: Stream,
+    usr2: Stream,
+}
+
+impl Signals {
+    fn install() -> std::io::Result<Self> {
+        Ok(Signals {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+            pwr: signal(SignalKind::from_raw(libc::SIGPWR))?,
+            chld: signal(SignalKind::child())?,
+            hup: signal(SignalKind::hangup())?,
+            usr1: signal(SignalKind::user_defined1())?,
+            usr2: signal(SignalKind::user_defined2())?,
+        })
+    }
+}
+
+fn fatal(msg: impl std::fmt::Display) -> Reason {
+    error!("fatal: {msg}");
+    Reason::Fatal
+}
+
+fn backoff(cfg: &crate::config::RestartConfig, restart_no: u32) -> Duration {
+    let factor = 1u64 << restart_no.saturating_sub(1).min(20);
+    Duration::from_millis(
+        cfg.initial_backoff_ms
+            .saturating_mul(factor)
+            .min(cfg.max_backoff_ms),
+    )
+}
+
+/// Runs the VM's life up to the moment it must end, and says why. `started` is when `main`
+/// began. The caller runs the shutdown (with [`shutdown::begin`] and friends).
+pub async fn run(cfg: &Config, started: Instant) -> Reason {
+    let mut sigs = match Signals::install() {
+        Ok(s) => s,
+        Err(e) => return fatal(format_args!("cannot install signal handlers: {e}")),
+    };
+    let (stop_tx, mut stop_rx) = mpsc::unbounded_channel();
+    let _control = match &cfg.control {
+        Some(c) => match crate::control::start(&c.listen, stop_tx) {
+            Ok(h) => Some(h),
+            Err(e) => return fatal(format_args!("control.listen: {e}")),
+        },
+        None => None,
+    };
+    // Keeps the listeners open (and their sockets on disk) until the VM ends.
+    let _forwarders = match crate::forward::start(&cfg.services, &cfg.exports).await {
+        Ok(f) => f,
+        Err(e) => return fatal(e),
+    };
+    if let Some(en) = &cfg.enrollment {
+        if let Err(e) = crate::enroll::boot_step(en).await {
+            return fatal(format_args!("enrollment: {e}"));
+        }
+    }
+    let spec = match AppSpec::from_config(&cfg.app) {
+        Ok(s) => s,
+        Err(e) => return fatal(e),
+    };
+    let mut app = match spec.spawn() {
+        Ok(p) => p,
+        Err(e) => return fatal(format_args!("app: {e}")),
+    };
+    shutdown::set_app(Some(app));
+    info!(
+        "ready in {} ms (services={} exports={} app_pid={app})",
+        started.elapsed().as_millis(),
+        cfg.services.len(),
+        cfg.exports.len()
+    );
+    if cfg.debug_panic_after_ready {
+        panic!("debug_panic_after_ready is set: a deliberate panic to test the panic path");
+    }
+
+    let restart = &cfg.app.restart;
+    let mut restarts = 0u32;
+    let mut restart_at: Option<tokio::time::Instant> = None;
+    // The app may have ended before the SIGCHLD stream saw it; drain once now.
+    let mut pending_reap = true;
+    loop {
+        if pending_reap {
+            pending_reap = false;
+            let r = reap(shutdown::app());
+            if let Some(exit) = r.app {
+                let again = restart.policy == RestartPolicy::OnFailure
+                    && exit.failed()
+                    && restarts < restart.max_restarts;
+                if !again {
+                    shutdown::app_ended(exit);
+                    return Reason::AppEnded;
+                }
+                shutdown::set_app(None);
+                restarts += 1;
+                let delay = backoff(restart, restarts);
+                warn!(
+                    "app failed ({}); restart {restarts} of {} in {} ms",
+                    match exit {
+                        Exit::Code(c) => format!("status={c}"),
+                        Exit::Signal(s) => format!("signal={}", s.as_str()),
+                    },
+                    restart.max_restarts,
+                    delay.as_millis()
+                );
+                restart_at = Some(tokio::time::Instant::now() + delay);
+            }
+        }
+        let restart_sleep = async {
+            match restart_at {
+                Some(t) => tokio::time::sleep_until(t).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = sigs.chld.recv() => pending_reap = true,
+            _ = sigs.term.recv() => return Reason::Signal(Signal::SIGTERM),
+            _ = sigs.int.recv() => return Reason::Signal(Signal::SIGINT),
+            _ = sigs.pwr.recv() => return Reason::Signal(Signal::SIGPWR),
+            Some(()) = stop_rx.recv() => return Reason::HostRequest,
+            _ = sigs.hup.recv() => forward_signal(Signal::SIGHUP),
+            _ = sigs.usr1.recv() => forward_signal(Signal::SIGUSR1),
+            _ = sigs.usr2.recv() => forward_signal(Signal::SIGUSR2),
+            _ = restart_sleep => {
+                restart_at = None;
+                match spec.spawn() {
+                    Ok(p) => {
+                        app = p;
+                        shutdown::set_app(Some(app));
+                        info!("app restarted: app_pid={app}");
+                    }
+                    Err(e) => return fatal(format_args!("app: restart: {e}")),
+                }
+            }
+        }
+    }
+}
+
+fn forward_signal(sig: Signal) {
+    if let Some(app) = shutdown::app() {
+        debug!("forwarding {} to the app (pid {app})", sig.as_str());
+        if let Err(e) = kill(app, sig) {
+            warn!("forwarding {} to the app: {e}", sig.as_str());
+        }
+    }
+}
+
+/// The shutdown with the runtime still running: the forwarders keep serving while the app
+/// finishes its work during the grace period. Returns the exit code (ordinary mode only).
+pub async fn shut_down(reason: Reason) -> i32 {
+    if !shutdown::begin(reason) {
+        return shutdown::finish(false);
+    }
+    let deadline = Instant::now() + shutdown::grace();
+    let all_gone = loop {
+        if shutdown::reap_step() {
+            break true;
+        }
+        if Instant::now() >= deadline {
+            break false;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    shutdown::finish(all_gone)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exit_codes_follow_the_shell_convention() {
+        assert_eq!(Exit::Code(3).code(), 3);
+        assert_eq!(Exit::Signal(Signal::SIGKILL).code(), 137);
+        assert!(!Exit::Code(0).failed());
+        assert!(Exit::Code(1).failed());
+        assert!(Exit::Signal(Signal::SIGTERM).failed());
+    }
+
+    #[test]
+    fn backoff_doubles_up_to_the_maximum() {
+        let cfg = crate::config::RestartConfig {
+            policy: RestartPolicy::OnFailure,
+            max_restarts: 10,
+            initial_backoff_ms: 100,
+            max_backoff_ms: 1000,
+        };
+        let ms: Vec<u128> = (1..=6).map(|n| backoff(&cfg, n).as_millis()).collect();
+        assert_eq!(ms, vec![100, 200, 400, 800, 1000, 1000]);
+    }
+}
