@@ -1,0 +1,332 @@
+//! Figures 1-5 and 8: the socket workloads on every path, the real sign-in, key + CSR.
+//!
+//! Figures 1-4 run in interleaved rounds: in each round every figure is measured on every
+//! path, and the order of the paths rotates from round to round, so drift in the machine's
+//! speed (other tenants, other builds) spreads over all paths instead of biasing one. Each
+//! round yields one value per figure and path (for latencies, that round's p50 and p99);
+//! the table quotes the median over rounds.
+//!
+//! A path that cannot be set up (a tool missing, a binary not built) or a workload that
+//! fails is recorded as a note and leaves its values `n/a`; the other paths still run.
+//! The burst's peak RSS is read from `/proc/<pid>/status` (`VmHWM`, the high-water mark
+//! since the process started) once all rounds are done, so it covers the whole run.
+
+use std::path::Path;
+
+use super::client;
+use super::echo::EchoServer;
+use super::paths::{self, Kind, Route};
+use super::report::{fmt_ratio, ratio, Row};
+use super::stats::{median, percentile};
+use super::Settings;
+
+/// Per-path lists of per-round values for one metric.
+#[derive(Default)]
+struct Series([Vec<f64>; 3]);
+
+impl Series {
+    fn push(&mut self, k: Kind, v: f64) {
+        self.0[index(k)].push(v);
+    }
+    fn medians(&self) -> [Option<f64>; 3] {
+        [median(&self.0[0]), median(&self.0[1]), median(&self.0[2])]
+    }
+}
+
+fn index(k: Kind) -> usize {
+    Kind::ALL.iter().position(|x| *x == k).unwrap_or(0)
+}
+
+/// Starts the three paths in front of `service`; a path that cannot start is `None` and
+/// explained in `notes`.
+fn routes(dir: &Path, service: &Path, tag: &str, notes: &mut Vec<String>) -> [Option<Route>; 3] {
+    let chain = match super::chain::start(dir, tag, service) {
+        Ok(r) => Some(r),
+        Err(e) => {
+            notes.push(format!("{tag}: chain path not measured: {e}"));
+            None
+        }
+    };
+    let socat = if e2e::util::have_program("socat") {
+        match paths::socat(dir, service, tag) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                notes.push(format!("{tag}: socat path not measured: {e}"));
+                None
+            }
+        }
+    } else {
+        notes.push(format!(
+            "{tag}: socat path not measured: socat is not installed (apt-get install socat)"
+        ));
+        None
+    };
+    [Some(paths::direct(service)), chain, socat]
+}
+
+/// The order of the paths in round `round`.
+fn order(round: usize) -> [usize; 3] {
+    [round % 3, (round + 1) % 3, (round + 2) % 3]
+}
+
+fn note_once(notes: &mut Vec<String>, msg: String) {
+    if !notes.contains(&msg) {
+        notes.push(msg);
+    }
+}
+
+/// Figures 1-4.
+pub fn sockets(dir: &Path, s: &Settings, notes: &mut Vec<String>) -> anyhow::Result<Vec<Row>> {
+    let echo = EchoServer::start(&dir.join("echo.sock"))?;
+    let routes = routes(dir, echo.path(), "echo", notes);
+    let (mut rtt50, mut rtt99, mut bulk) =
+        (Series::default(), Series::default(), Series::default());
+    let (mut cps, mut set50, mut set99) = (Series::default(), Series::default(), Series::default());
+    let (mut burst_ok, mut burst_ms) = (Series::default(), Series::default());
+    let burst_rounds = s.rounds.min(3);
+    for round in 0..s.rounds {
+        eprintln!("bench: figures 1-4, round {} of {}", round + 1, s.rounds);
+        for i in order(round) {
+            let Some(r) = &routes[i] else { continue };
+            match client::rtt(&r.entry, s.window()) {
+                Ok(v) => {
+                    rtt50.push(r.kind, percentile(&v, 50.0).unwrap_or(f64::NAN));
+                    rtt99.push(r.kind, percentile(&v, 99.0).unwrap_or(f64::NAN));
+                }
+                Err(e) => note_once(notes, format!("figure 1 on {}: {e}", r.kind.name())),
+            }
+        }
+        for i in order(round) {
+            let Some(r) = &routes[i] else { continue };
+            match client::bulk(&r.entry, s.window()) {
+                Ok(v) => bulk.push(r.kind, v),
+                Err(e) => note_once(notes, format!("figure 2 on {}: {e}", r.kind.name())),
+            }
+        }
+        for i in order(round) {
+            let Some(r) = &routes[i] else { continue };
+            match client::setup(&r.entry, s.window()) {
+                Ok((v, rate)) => {
+                    cps.push(r.kind, rate);
+                    set50.push(r.kind, percentile(&v, 50.0).unwrap_or(f64::NAN));
+                    set99.push(r.kind, percentile(&v, 99.0).unwrap_or(f64::NAN));
+                }
+                Err(e) => note_once(notes, format!("figure 3 on {}: {e}", r.kind.name())),
+            }
+        }
+        if round < burst_rounds {
+            for i in order(round) {
+                let Some(r) = &routes[i] else { continue };
+                let b = client::burst(&r.entry, s.burst, s.burst_threads);
+                burst_ok.push(r.kind, b.ok as f64);
+                if b.ok < b.total {
+                    notes.push(format!(
+                        "figure 4 round {}: {} of {} connections failed on {}",
+                        round + 1,
+                        b.total - b.ok,
+                        b.total,
+                        r.kind.name()
+                    ));
+                }
+                burst_ms.push(r.kind, b.millis);
+                // Let the relays (and socat's per-connection processes) wind down so the
+                // next measurement starts from a quiet machine.
+                std::thread::sleep(std::time::Duration::from_millis(300));
+            }
+        }
+    }
+    let chain = routes[1].as_ref();
+    let hwm_mib = |pid: Option<u32>| {
+        pid.and_then(|p| paths::status_kib(p, "VmHWM"))
+            .map(|k| k as f64 / 1024.0)
+    };
+    let relay_hwm = hwm_mib(chain.and_then(|c| c.relay_pid));
+    let fwd_hwm = hwm_mib(chain.and_then(|c| c.forwarder_pid));
+    let socat_relay_hwm = hwm_mib(routes[2].as_ref().and_then(|c| c.relay_pid));
+    let socat_fwd_hwm = hwm_mib(routes[2].as_ref().and_then(|c| c.forwarder_pid));
+
+    let [d, c, so] = rtt50.medians();
+    let mut rows = vec![Row::new("1", "RTT p50 (64 B ping-pong)", "us", [d, c, so])
+        .ratios(format!(
+            "{} {}",
+            fmt_ratio("chain/direct", ratio(c, d)),
+            fmt_ratio("chain/socat", ratio(c, so))
+        ))
+        .target(
+            "chain <= 2x direct and <= socat",
+            both(
+                ratio(c, d).map(|r| r <= 2.0),
+                ratio(c, so).map(|r| r <= 1.0),
+            ),
+        )];
+    let [d, c, so] = rtt99.medians();
+    rows.push(
+        Row::new("1", "RTT p99 (64 B ping-pong)", "us", [d, c, so]).ratios(format!(
+            "{} {}",
+            fmt_ratio("chain/direct", ratio(c, d)),
+            fmt_ratio("chain/socat", ratio(c, so))
+        )),
+    );
+    let [d, c, so] = bulk.medians();
+    rows.push(
+        Row::new("2", "bulk, 1 MiB writes, echoed", "MiB/s", [d, c, so])
+            .ratios(format!(
+                "{} {}",
+                fmt_ratio("chain/direct", ratio(c, d)),
+                fmt_ratio("chain/socat", ratio(c, so))
+            ))
+            .target(
+                "chain >= 0.5x direct and >= 3x socat",
+                both(
+                    ratio(c, d).map(|r| r >= 0.5),
+                    ratio(c, so).map(|r| r >= 3.0),
+                ),
+            ),
+    );
+    let [d, c, so] = cps.medians();
+    rows.push(
+        Row::new(
+            "3",
+            "setup rate (connect, echo, close)",
+            "conn/s",
+            [d, c, so],
+        )
+        .ratios(format!(
+            "{} {}",
+            fmt_ratio("chain/direct", ratio(c, d)),
+            fmt_ratio("chain/socat", ratio(c, so))
+        ))
+        .target("chain >= 5x socat", ratio(c, so).map(|r| r >= 5.0)),
+    );
+    let [d, c, so] = set50.medians();
+    rows.push(
+        Row::new("3", "setup time p50", "us", [d, c, so])
+            .ratios(fmt_ratio("chain/direct", ratio(c, d))),
+    );
+    let [d, c, so] = set99.medians();
+    rows.push(
+        Row::new("3", "setup time p99", "us", [d, c, so])
+            .ratios(fmt_ratio("chain/direct", ratio(c, d))),
+    );
+    // The worst round counts for success: "all must succeed" means in every burst.
+    let worst = |k: Kind| burst_ok.0[index(k)].iter().copied().reduce(f64::min);
+    let ok = [worst(Kind::Direct), worst(Kind::Chain), worst(Kind::Socat)];
+    rows.push(
+        Row::new(
+            "4",
+            format!("burst: succeeded of {} (worst round)", s.burst),
+            "conns",
+            ok,
+        )
+        .target(
+            format!("chain {0} of {0}", s.burst),
+            ok[1].map(|v| v as usize == s.burst),
+        ),
+    );
+    rows.push(Row::new("4", "burst: total time", "ms", burst_ms.medians()));
+    rows.push(
+        Row::new(
+            "4",
+            "peak RSS, host-relay (socat: 2nd hop parent)",
+            "MiB",
+            [None, relay_hwm, socat_relay_hwm],
+        )
+        .target("chain <= 48 MiB", relay_hwm.map(|v| v <= 48.0)),
+    );
+    rows.push(Row::new(
+        "4",
+        "peak RSS, forwarder (socat: 1st hop parent)",
+        "MiB",
+        [None, fwd_hwm, socat_fwd_hwm],
+    ));
+    if routes[2].is_some() {
+        notes.push(
+            "figure 4: socat forks one process per connection and hop; its RSS column is \
+             the listening parent only, not the thousands of children"
+                .into(),
+        );
+    }
+    Ok(rows)
+}
+
+fn both(a: Option<bool>, b: Option<bool>) -> Option<bool> {
+    Some(a? && b?)
+}
+
+/// Figure 5: sign-ins against a real Dovecot, on each path, interleaved.
+pub fn sign_in(dir: &Path, s: &Settings, notes: &mut Vec<String>) -> Vec<Row> {
+    let empty = |notes: &mut Vec<String>, why: String| {
+        notes.push(format!("figure 5 not measured: {why}"));
+        vec![
+            Row::new("5", "sign-in p50 (Dovecot AUTH)", "ms", [None; 3])
+                .target("chain <= 1.2x direct", None),
+            Row::new("5", "sign-in p99 (Dovecot AUTH)", "ms", [None; 3]),
+        ]
+    };
+    if !super::dovecot::available() {
+        return empty(
+            notes,
+            "Dovecot is not installed (apt-get install dovecot-core)".into(),
+        );
+    }
+    let dovecot = match super::dovecot::Dovecot::start(&dir.join("dovecot")) {
+        Ok(d) => d,
+        Err(e) => return empty(notes, format!("Dovecot did not start: {e}")),
+    };
+    let routes = routes(dir, dovecot.socket(), "auth", notes);
+    let (mut p50, mut p99) = (Series::default(), Series::default());
+    for round in 0..s.rounds {
+        eprintln!("bench: figure 5, round {} of {}", round + 1, s.rounds);
+        for i in order(round) {
+            let Some(r) = &routes[i] else { continue };
+            match super::dovecot::sign_ins(&r.entry, s.sign_ins) {
+                Ok(v) => {
+                    p50.push(r.kind, percentile(&v, 50.0).unwrap_or(f64::NAN));
+                    p99.push(r.kind, percentile(&v, 99.0).unwrap_or(f64::NAN));
+                }
+                Err(e) => note_once(notes, format!("figure 5 on {}: {e}", r.kind.name())),
+            }
+        }
+    }
+    drop(routes);
+    drop(dovecot);
+    let [d, c, so] = p50.medians();
+    let mut rows = vec![
+        Row::new("5", "sign-in p50 (Dovecot AUTH)", "ms", [d, c, so])
+            .ratios(format!(
+                "{} {}",
+                fmt_ratio("chain/direct", ratio(c, d)),
+                fmt_ratio("chain/socat", ratio(c, so))
+            ))
+            .target("chain <= 1.2x direct", ratio(c, d).map(|r| r <= 1.2)),
+    ];
+    let [d, c, so] = p99.medians();
+    rows.push(
+        Row::new("5", "sign-in p99 (Dovecot AUTH)", "ms", [d, c, so])
+            .ratios(fmt_ratio("chain/direct", ratio(c, d))),
+    );
+    rows
+}
+
+/// Figure 8: key generation plus CSR.
+pub fn keygen(s: &Settings, notes: &mut Vec<String>) -> Vec<Row> {
+    let v = match super::keygen::keygen_csr(s.keygens) {
+        Ok(v) => median(&v),
+        Err(e) => {
+            notes.push(format!("figure 8 not measured: {e}"));
+            None
+        }
+    };
+    notes.push(
+        "figure 8: P-256 key + CSR timed with rcgen (ring backend) directly; guest-init's \
+         enrollment library exposed no key+CSR function to call"
+            .into(),
+    );
+    vec![Row::new(
+        "8",
+        format!("P-256 keygen + CSR, median of {}", s.keygens),
+        "ms",
+        [None, v, None],
+    )
+    .target("<= 5 ms", v.map(|v| v <= 5.0))]
+}

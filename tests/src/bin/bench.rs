@@ -1,0 +1,228 @@
+//! `bench`: measures this project's forwarding path against a direct Unix socket and
+//! against a socat chain, in one run, and prints the table the benchmark issue asks for.
+//!
+//! ```text
+//! cargo run --release -p e2e-tests --bin bench -- --json bench-results.json [--quick]
+//! ```
+//!
+//! Design:
+//! - **Same service, same client, three paths.** Every path ends at one in-process echo
+//!   service ([`echo`]) and is driven by the same client code ([`client`]); only the hops
+//!   differ ([`paths`], [`chain`]).
+//! - **Interleaved rounds, medians.** These machines are noisy. Each round measures every
+//!   figure on every path, in an order rotated per round, and the table quotes the median
+//!   of the rounds ([`stats`]), so a slow moment hurts one sample of each path rather than
+//!   one whole path.
+//! - **Numbers never fail.** A benchmark is not a test: a missed target is reported as
+//!   `MISS`, and the process exits 0. It exits non-zero only when it could not run at all
+//!   (bad arguments, no temporary directory, the JSON file cannot be written).
+//! - **Real parts.** The chain runs the real `guest-init` and `host-relay` binaries; the
+//!   sign-in figure runs a real Dovecot. A part that is missing makes its values `n/a`
+//!   with a note saying what is missing, never a made-up number.
+//!
+//! Figures 1-5 are in [`figures`], 6-7 ([`guest`]) start the static musl `guest-init`
+//! itself, figure 8 ([`keygen`]) times key generation and CSR creation; [`report`] renders
+//! the table and the JSON.
+
+#[path = "../bench/chain.rs"]
+mod chain;
+#[path = "../bench/client.rs"]
+mod client;
+#[path = "../bench/dovecot.rs"]
+mod dovecot;
+#[path = "../bench/echo.rs"]
+mod echo;
+#[path = "../bench/figures.rs"]
+mod figures;
+#[path = "../bench/guest.rs"]
+mod guest;
+#[path = "../bench/keygen.rs"]
+mod keygen;
+#[path = "../bench/paths.rs"]
+mod paths;
+#[path = "../bench/report.rs"]
+mod report;
+#[path = "../bench/stats.rs"]
+mod stats;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context as _};
+
+/// How much to measure.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Settings {
+    /// Interleaved rounds per figure.
+    pub rounds: usize,
+    /// Duration of one timed workload (figures 1-3), in milliseconds.
+    pub window_ms: u64,
+    /// Connections in one burst (figure 4).
+    pub burst: usize,
+    /// Client threads opening the burst.
+    pub burst_threads: usize,
+    /// Sign-ins per path per round (figure 5).
+    pub sign_ins: usize,
+    /// Start-to-ready repetitions (figure 7).
+    pub starts: usize,
+    /// Key + CSR repetitions (figure 8).
+    pub keygens: usize,
+}
+
+impl Settings {
+    fn full() -> Self {
+        Settings {
+            rounds: 5,
+            window_ms: 1500,
+            burst: 5000,
+            burst_threads: 16,
+            sign_ins: 200,
+            starts: 20,
+            keygens: 100,
+        }
+    }
+
+    fn quick() -> Self {
+        Settings {
+            rounds: 3,
+            window_ms: 400,
+            burst: 5000,
+            burst_threads: 16,
+            sign_ins: 50,
+            starts: 5,
+            keygens: 20,
+        }
+    }
+
+    /// What CI runs to keep the command working: every code path, tiny amounts.
+    fn smoke() -> Self {
+        Settings {
+            rounds: 1,
+            window_ms: 40,
+            burst: 50,
+            burst_threads: 4,
+            sign_ins: 3,
+            starts: 2,
+            keygens: 3,
+        }
+    }
+
+    /// The duration of one timed workload.
+    pub fn window(&self) -> Duration {
+        Duration::from_millis(self.window_ms)
+    }
+}
+
+const USAGE: &str = "usage: bench [--json FILE] [--quick | --smoke] [--rounds N] [--burst N]
+  --json FILE   also write the table as JSON to FILE
+  --quick       fewer and shorter rounds (about a minute)
+  --smoke       a tiny run that exercises every figure (CI)
+  --rounds N    interleaved rounds per figure (default 5)
+  --burst N     connections in the burst of figure 4 (default 5000)";
+
+fn parse_args() -> anyhow::Result<(Settings, Option<PathBuf>)> {
+    let mut args = std::env::args().skip(1);
+    let mut settings = Settings::full();
+    let mut json = None;
+    let (mut rounds, mut burst) = (None, None);
+    while let Some(a) = args.next() {
+        let mut value = |name: &str| {
+            args.next()
+                .with_context(|| format!("{name} needs a value\n{USAGE}"))
+        };
+        match a.as_str() {
+            "--json" => json = Some(PathBuf::from(value("--json")?)),
+            "--quick" => settings = Settings::quick(),
+            "--smoke" => settings = Settings::smoke(),
+            "--rounds" => {
+                let v = value("--rounds")?;
+                rounds = Some(positive("--rounds", &v)?);
+            }
+            "--burst" => {
+                let v = value("--burst")?;
+                burst = Some(positive("--burst", &v)?);
+            }
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            other => bail!("unknown argument {other:?}\n{USAGE}"),
+        }
+    }
+    if let Some(r) = rounds {
+        settings.rounds = r;
+    }
+    if let Some(b) = burst {
+        settings.burst = b;
+    }
+    Ok((settings, json))
+}
+
+fn positive(name: &str, v: &str) -> anyhow::Result<usize> {
+    match v.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => bail!("{name} {v:?}: expected a whole number of at least 1"),
+    }
+}
+
+/// Raises this process's descriptor limit to the hard limit; children inherit it.
+fn raise_nofile() -> u64 {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((_, hard)) => {
+            let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
+            hard
+        }
+        Err(_) => 0,
+    }
+}
+
+fn machine() -> serde_json::Value {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("model name")?.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_default();
+    let kernel = nix::sys::utsname::uname()
+        .map(|u| u.release().to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let nproc = std::thread::available_parallelism().map_or(0, |n| n.get());
+    serde_json::json!({ "nproc": nproc, "cpu": cpu, "kernel": kernel })
+}
+
+fn main() -> anyhow::Result<()> {
+    let (settings, json) = parse_args()?;
+    let nofile = raise_nofile();
+    let machine = machine();
+    eprintln!("bench: machine {machine}, RLIMIT_NOFILE {nofile}, settings {settings:?}");
+    let dir = tempfile::Builder::new()
+        .prefix("bench-")
+        .tempdir()
+        .context("cannot create a temporary directory")?;
+    let mut notes = Vec::new();
+    let mut rows = figures::sockets(dir.path(), &settings, &mut notes)?;
+    rows.extend(figures::sign_in(dir.path(), &settings, &mut notes));
+    rows.extend(guest::figures(dir.path(), &settings, &mut notes));
+    rows.extend(figures::keygen(&settings, &mut notes));
+
+    println!("{}", report::render(&rows));
+    for n in &notes {
+        println!("note: {n}");
+    }
+    if let Some(path) = json {
+        let doc = serde_json::json!({
+            "machine": machine,
+            "settings": settings,
+            "rlimit_nofile": nofile,
+            "rows": rows,
+            "notes": notes,
+        });
+        std::fs::write(&path, serde_json::to_string_pretty(&doc)? + "\n")
+            .with_context(|| format!("cannot write --json file {}", path.display()))?;
+        eprintln!("bench: wrote {}", path.display());
+    }
+    Ok(())
+}
