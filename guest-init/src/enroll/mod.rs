@@ -1,30 +1,371 @@
-//! (to be written: the enrollment helper replaces this stub, keeping these signatures)
+//! Enrollment: the VM's own key and a certificate for its current identity.
+//!
+//! The platform's enrollment service (seed 002) gives a certificate to whoever presents an
+//! unexpired single-purpose bootstrap token together with a CSR, commits the *first* CSR for
+//! that token, gives the identical certificate to an identical retry, and denies any other
+//! CSR. It fences on the VM UID and the revocation epoch (seed 000). This module is the
+//! guest side that service needs:
+//!
+//! - [`material`]: the bootstrap material (identity, secret token, expiry, port), strict
+//!   and bounded, from a root-only file or a one-time host push;
+//! - [`identity`]: the identity and its URI form in the CSR and certificate;
+//! - [`keystore`] with [`file_store`] and [`memory_store`]: where the P-256 key lives;
+//! - [`csr`]: the CSR, signed through rcgen's external-signer traits;
+//! - [`protocol`] and [`client`]: the versioned one-line JSON exchange and its retries;
+//! - [`verify`]: checks on the returned certificate;
+//! - [`state`]: the durable state machine tying them together (persist before send,
+//!   identical retries, epoch floor, identity changes, the lock);
+//! - [`files`]: atomic, durable, private file writes.
+//!
+//! Entry points: [`boot_step`] (PID 1, after the forwarders are up, before the app starts)
+//! and [`cli_main`] (`guest-init enroll --config FILE`). Both read the `enrollment` section
+//! ([`EnrollConfig`]). The protocol, identity binding and stores are described for
+//! operators in `docs/ENROLLMENT.md`.
+//!
+//! Secrets: the token lives only in [`material::Token`] (wiped on drop, never printed) and
+//! the wiped request buffer; private keys only inside a key store. No error or log line in
+//! this module formats either; errors carry paths, field names, codes and hashes.
+
+pub mod client;
+pub mod csr;
+pub mod file_store;
+pub mod files;
+pub mod identity;
+pub mod keystore;
+pub mod material;
+pub mod memory_store;
+pub mod protocol;
+pub mod state;
+pub mod verify;
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+
+pub use client::RetryPolicy;
+use keystore::KeyStore;
+pub use protocol::ErrorCode;
+pub use state::Outcome;
+
+use crate::endpoint::Endpoint;
+
+/// Where the bootstrap material comes from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum BootstrapSource {
+    /// A root-owned file of mode 0600 (image or config disk).
+    File(PathBuf),
+    /// A one-time push from the host: listen on this endpoint (usually
+    /// `{"vsock": {"cid": 4294967295, "port": N}}`) and accept the first valid document.
+    Push {
+        /// Where to listen.
+        listen: Endpoint,
+    },
+}
+
+/// Which key store holds the private key.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KeyStoreKind {
+    /// PKCS#8 files in the root-only state directory; survives reboots.
+    #[default]
+    File,
+    /// Protected memory only; re-enroll every boot.
+    Memory,
+}
+
+/// The default state directory.
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/guest-init/enroll";
+/// The default publish directory (`cert.pem` for local consumers).
+pub const DEFAULT_PUBLISH_DIR: &str = "/run/guest-init/identity";
+
+fn default_state_dir() -> PathBuf {
+    PathBuf::from(DEFAULT_STATE_DIR)
+}
+fn default_publish_dir() -> PathBuf {
+    PathBuf::from(DEFAULT_PUBLISH_DIR)
+}
+fn default_timeout_ms() -> u64 {
+    10_000
+}
 
 /// The `enrollment` section of the configuration.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct EnrollConfig {}
+pub struct EnrollConfig {
+    /// Where the bootstrap material comes from.
+    pub bootstrap: BootstrapSource,
+    /// The key store (`file` or `memory`; default `file`).
+    #[serde(default)]
+    pub key_store: KeyStoreKind,
+    /// Root-only state directory (key files, CSR, records). Default
+    /// `/var/lib/guest-init/enroll`; with the memory store, prefer a tmpfs such as
+    /// `/run/guest-init/enroll`.
+    #[serde(default = "default_state_dir")]
+    pub state_dir: PathBuf,
+    /// Where `cert.pem` is published, world-readable. Default `/run/guest-init/identity`.
+    #[serde(default = "default_publish_dir")]
+    pub publish_dir: PathBuf,
+    /// The service endpoint. Default: vsock CID 2, the material's `enrollment_port`
+    /// (host-relay). Tests set a Unix socket.
+    #[serde(default)]
+    pub service: Option<Endpoint>,
+    /// Per-attempt deadline in milliseconds (connect, send, answer). Default 10000.
+    #[serde(default = "default_timeout_ms")]
+    pub timeout_ms: u64,
+    /// Retry policy for retryable errors.
+    #[serde(default)]
+    pub retry: RetryPolicy,
+}
 
-/// An enrollment error.
+/// An enrollment error. Messages never contain the token or key material.
 #[derive(Debug, thiserror::Error)]
-pub enum EnrollError {}
+pub enum EnrollError {
+    /// The configuration section is invalid.
+    #[error("enrollment configuration: {0}")]
+    Config(String),
+    /// The bootstrap material is unusable.
+    #[error(transparent)]
+    Material(#[from] material::MaterialError),
+    /// No material and no valid enrollment.
+    #[error(
+        "no bootstrap material and no valid enrolled certificate; provision bootstrap material"
+    )]
+    NoMaterial,
+    /// The material's epoch is lower than the enrolled or pending one.
+    #[error("bootstrap material has revocation epoch {offered}, lower than the {what} epoch {floor}; epochs only go up, provision current material")]
+    EpochRollback {
+        /// The material's epoch.
+        offered: u64,
+        /// The floor.
+        floor: u64,
+        /// `enrolled` or `pending`.
+        what: &'static str,
+    },
+    /// The key store failed.
+    #[error(transparent)]
+    KeyStore(#[from] keystore::KeyStoreError),
+    /// The pending CSR's key is gone (memory store after a restart) and the token is the same.
+    #[error("the key of the pending CSR is gone (memory key store restarted); the service denies a second CSR for the same token, so provision fresh bootstrap material")]
+    KeyLost,
+    /// The state directory failed.
+    #[error("enrollment state: {what}: {source}")]
+    State {
+        /// What was being done.
+        what: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The CSR could not be built.
+    #[error("cannot build the CSR: {0}")]
+    Csr(String),
+    /// The service refused for good.
+    #[error("enrollment denied ({code}): {message}")]
+    Denied {
+        /// The service's code.
+        code: ErrorCode,
+        /// Its explanation.
+        message: String,
+    },
+    /// Every attempt failed with a retryable error.
+    #[error("enrollment service unavailable after {attempts} attempts: {last}")]
+    Unavailable {
+        /// Attempts made.
+        attempts: u32,
+        /// The last failure.
+        last: String,
+    },
+    /// The returned certificate failed verification.
+    #[error("the returned certificate was rejected: {0}")]
+    BadCertificate(String),
+}
+
+impl EnrollError {
+    /// Whether a later run with the same material could succeed (the service was
+    /// unavailable), as opposed to a final refusal or a local fault.
+    pub fn retryable(&self) -> bool {
+        matches!(self, EnrollError::Unavailable { .. })
+    }
+
+    /// The process exit code for `guest-init enroll`: 2 configuration or material, 3 final
+    /// refusal (denied, rollback, key lost, bad certificate), 4 unavailable, 1 otherwise.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            EnrollError::Config(_) | EnrollError::Material(_) | EnrollError::NoMaterial => 2,
+            EnrollError::Denied { .. }
+            | EnrollError::EpochRollback { .. }
+            | EnrollError::KeyLost
+            | EnrollError::BadCertificate(_) => 3,
+            EnrollError::Unavailable { .. } => 4,
+            _ => 1,
+        }
+    }
+}
 
 /// Checks the section without touching the system; `Err` names the field and the fix.
-pub fn validate(_cfg: &EnrollConfig) -> Result<(), String> {
+pub fn validate(cfg: &EnrollConfig) -> Result<(), String> {
+    match &cfg.bootstrap {
+        BootstrapSource::File(p) if !p.is_absolute() => {
+            return Err(format!(
+                "bootstrap.file: {} is relative; use an absolute path",
+                p.display()
+            ))
+        }
+        BootstrapSource::Push { listen } => listen
+            .validate()
+            .map_err(|e| format!("bootstrap.push.listen: {e}"))?,
+        _ => {}
+    }
+    for (field, p) in [
+        ("state_dir", &cfg.state_dir),
+        ("publish_dir", &cfg.publish_dir),
+    ] {
+        if !p.is_absolute() || p == Path::new("/") {
+            return Err(format!(
+                "{field}: {} must be an absolute path below /",
+                p.display()
+            ));
+        }
+    }
+    if cfg.publish_dir.starts_with(&cfg.state_dir) || cfg.state_dir.starts_with(&cfg.publish_dir) {
+        return Err(
+            "publish_dir: must not be inside state_dir or contain it (the state is root-only, the published certificate world-readable)".into(),
+        );
+    }
+    if let Some(s) = &cfg.service {
+        s.validate().map_err(|e| format!("service: {e}"))?;
+    }
+    if cfg.timeout_ms == 0 {
+        return Err("timeout_ms: must be at least 1".into());
+    }
+    let r = &cfg.retry;
+    if r.max_attempts == 0 || r.initial_ms == 0 || r.max_ms < r.initial_ms {
+        return Err(
+            "retry: needs max_attempts >= 1, initial_ms >= 1 and max_ms >= initial_ms".into(),
+        );
+    }
     Ok(())
+}
+
+/// The process-wide memory store: keys must outlive one enrollment run (they are the
+/// VM's identity until the next boot).
+fn memory_store() -> Result<&'static memory_store::MemoryKeyStore, EnrollError> {
+    static STORE: OnceLock<memory_store::MemoryKeyStore> = OnceLock::new();
+    if let Some(s) = STORE.get() {
+        return Ok(s);
+    }
+    let s = memory_store::MemoryKeyStore::new()?;
+    Ok(STORE.get_or_init(|| s))
+}
+
+/// Runs one enrollment with `cfg`: reads the material, runs the state machine.
+pub async fn run(cfg: &EnrollConfig) -> Result<Outcome, EnrollError> {
+    validate(cfg).map_err(EnrollError::Config)?;
+    let file_store;
+    let store: &dyn KeyStore = match cfg.key_store {
+        KeyStoreKind::File => {
+            file_store = file_store::FileKeyStore::open_dir(&cfg.state_dir)?;
+            &file_store
+        }
+        KeyStoreKind::Memory => memory_store()?,
+    };
+    let material = match &cfg.bootstrap {
+        BootstrapSource::File(p) => material::read_file(p)?,
+        BootstrapSource::Push { listen } => {
+            crate::info!("enroll: waiting for the host to push bootstrap material on {listen}");
+            Some(
+                material::receive_push(listen, Duration::from_millis(cfg.timeout_ms))
+                    .await
+                    .map_err(|e| EnrollError::State {
+                        what: format!("listen for bootstrap material on {listen}"),
+                        source: e,
+                    })?,
+            )
+        }
+    };
+    let enroller = state::Enroller {
+        state_dir: cfg.state_dir.clone(),
+        publish_dir: cfg.publish_dir.clone(),
+        store,
+        service: cfg.service.clone(),
+        timeout: Duration::from_millis(cfg.timeout_ms),
+        retry: cfg.retry.clone(),
+    };
+    enroller.run(material).await
 }
 
 /// The boot step: called by PID 1 after the forwarders are up and before the app starts.
 /// It returns when the VM holds a valid certificate for its current identity, or when
 /// enrollment cannot succeed (`Err`, already logged without secrets).
-pub async fn boot_step(_cfg: &EnrollConfig) -> Result<(), EnrollError> {
-    Ok(())
+pub async fn boot_step(cfg: &EnrollConfig) -> Result<(), EnrollError> {
+    match run(cfg).await {
+        Ok(_) => Ok(()),
+        Err(e) => {
+            let kind = if e.retryable() { "retryable" } else { "final" };
+            crate::error!("enroll: {kind} failure: {e}");
+            Err(e)
+        }
+    }
+}
+
+/// The largest configuration file `cli_main` reads.
+const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
+/// Reads the enrollment section from a configuration file: the `enrollment` member of a
+/// full guest-init configuration, or a file holding only the section.
+pub fn load_config(path: &Path) -> Result<EnrollConfig, EnrollError> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_CONFIG_BYTES).read_to_end(&mut bytes))
+        .map_err(|e| EnrollError::Config(format!("cannot read {}: {e}", path.display())))?;
+    let value: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| {
+        EnrollError::Config(format!(
+            "{} is not JSON: {}",
+            path.display(),
+            material::redact(&e.to_string())
+        ))
+    })?;
+    let section = match value {
+        serde_json::Value::Object(mut m) if m.contains_key("enrollment") => {
+            m.remove("enrollment").unwrap_or_default()
+        }
+        v => v,
+    };
+    serde_json::from_value(section).map_err(|e| {
+        EnrollError::Config(format!(
+            "{}: enrollment: {}",
+            path.display(),
+            material::redact(&e.to_string())
+        ))
+    })
 }
 
 /// `guest-init enroll --config FILE`: enrollment alone, as an ordinary process; returns the
-/// process exit code.
-pub fn cli_main(_config_path: &std::path::Path) -> i32 {
-    0
+/// process exit code (0 enrolled or already enrolled; see [`EnrollError::exit_code`]).
+pub fn cli_main(config_path: &std::path::Path) -> i32 {
+    let cfg = match load_config(config_path) {
+        Ok(c) => c,
+        Err(e) => {
+            crate::error!("enroll: {e}");
+            return e.exit_code();
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            crate::error!("enroll: cannot start the runtime: {e}");
+            return 1;
+        }
+    };
+    match rt.block_on(boot_step(&cfg)) {
+        Ok(()) => 0,
+        Err(e) => e.exit_code(),
+    }
 }
