@@ -1,1 +1,25 @@
-//! (to be written)
+//! `host-relay`: the host side of a micro-VM's platform services (ADR 065 sections 1-2).
+//!
+//! A guest reaches a platform service (the Dovecot sign-in socket, the enrollment
+//! service...) over vsock. On the host, this relay
+//! - **admits** a connection only from the VM it serves ([`admission`]): the per-VM hybrid
+//!   vsock socket, or the registered peer CID under kernel vhost-vsock;
+//! - **tells the service who calls**, out of band: by dialling the service's per-app
+//!   endpoint (option a, [`config::ServiceConfig::upstream`]) or by dialling as the app's
+//!   Unix user so `SO_PEERCRED` shows the app as natively (option b, [`privileges`]);
+//! - **passes bytes unchanged** ([`guest_init::pump`]), except the sign-in protocol's
+//!   guest-to-service lines, where it removes what only the VM's plumbing adds and what
+//!   would grant trust ([`dovecot`]);
+//! - **refuses undeclared services** visibly, and takes bursts ([`serve`]).
+//!
+//! One process serves one app, all its services as tasks of one runtime ([`serve`]
+//! explains why). [`hybrid`] is the host-initiated direction (`CONNECT <port>`).
+//! Configuration: [`config`] and `docs/RELAY.md`.
+
+pub mod admission;
+pub mod config;
+pub mod dovecot;
+pub mod hybrid;
+pub mod listen;
+pub mod privileges;
+pub mod serve;

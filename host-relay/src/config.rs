@@ -1,0 +1,559 @@
+//! The relay's configuration: one JSON file per app (per VM), validated before anything binds.
+//!
+//! One process serves one app: every service the app declared is an *instance* (its own
+//! listener and accept loop), and every platform service it did not declare is listed too,
+//! so the relay can listen there and refuse (see [`crate::admission`]). The file says where
+//! the guest's connections arrive (`mode`), which app they belong to, and where each
+//! declared service's connections go (`upstream`, the service's per-app endpoint or its
+//! shared socket dialled as the app's user, see [`crate::privileges`]).
+//!
+//! Parsing is strict: unknown fields are refused (`deny_unknown_fields`), so a typo never
+//! silently turns off a check. [`Config::validate`] then checks what serde cannot (a mode's
+//! required fields, unique ports, a per-app client address for the `substitute` policy...)
+//! and every error names the field and how to fix it. Field reference: `docs/RELAY.md`.
+
+use std::collections::HashSet;
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+
+use guest_init::endpoint::Endpoint;
+use serde::{Deserialize, Serialize};
+
+use crate::dovecot::{Cidr, DEFAULT_ALLOW_FIELDS};
+
+/// A configuration problem: which field, and what to do about it.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The JSON does not match the schema (serde's message names the field and position).
+    #[error("config is not valid: {0} (see docs/RELAY.md for every field)")]
+    Parse(#[from] serde_json::Error),
+    /// A field has a value the relay cannot use.
+    #[error("{field}: {reason}")]
+    Invalid {
+        /// The field, e.g. `services[0].dovecot.client_address`.
+        field: String,
+        /// What is wrong and how to fix it.
+        reason: String,
+    },
+}
+
+fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        field: field.into(),
+        reason: reason.into(),
+    }
+}
+
+/// Where the guest's connections arrive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Hybrid vsock (Cloud Hypervisor, Firecracker, vhost-device-vsock): a Unix socket at
+    /// `<vm.vsock_uds>_<port>`. Only the VM's VMM can reach it.
+    PerVmSocket,
+    /// Kernel vhost-vsock (QEMU): `AF_VSOCK` on `port`, admitting only peer CID `vm.cid`.
+    Cid,
+    /// An explicit Unix path per service (`listen`): native use and tests.
+    Unix,
+}
+
+/// The VM the relay serves.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmConfig {
+    /// The VM's id (log lines only).
+    pub id: String,
+    /// The VMM's hybrid vsock socket (per-VM-socket mode).
+    #[serde(default)]
+    pub vsock_uds: Option<PathBuf>,
+    /// The CID the platform registered for this VM (CID mode).
+    #[serde(default)]
+    pub cid: Option<u32>,
+    /// The VM's gateway addresses: a `rip` equal to one of them is not a client.
+    #[serde(default)]
+    pub gateways: Vec<IpAddr>,
+}
+
+/// The user the whole process becomes after binding (caller identity option (b)).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunAs {
+    /// The app's uid.
+    pub uid: u32,
+    /// The app's primary gid.
+    pub gid: u32,
+    /// Supplementary groups (exactly these; an empty list clears them).
+    #[serde(default)]
+    pub groups: Vec<u32>,
+}
+
+/// The guest-facing socket files (per-VM-socket and unix modes).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SocketConfig {
+    /// Mode of each socket file, octal string; default `"0600"`.
+    #[serde(default = "default_socket_mode")]
+    pub mode: String,
+    /// Owner uid of each socket file (the VMM's user); default: unchanged (root).
+    #[serde(default)]
+    pub uid: Option<u32>,
+    /// Group of each socket file (with mode `"0660"`); default: unchanged.
+    #[serde(default)]
+    pub gid: Option<u32>,
+}
+
+impl Default for SocketConfig {
+    fn default() -> Self {
+        SocketConfig {
+            mode: default_socket_mode(),
+            uid: None,
+            gid: None,
+        }
+    }
+}
+
+fn default_socket_mode() -> String {
+    "0600".into()
+}
+
+/// What a service's bytes go through.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Kind {
+    /// Bytes unchanged both ways.
+    #[default]
+    Stream,
+    /// Dovecot auth client protocol: guest-to-service lines filtered (see [`crate::dovecot`]).
+    DovecotAuth,
+}
+
+/// What happens to a `rip` that is not the app's own client.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RipPolicy {
+    /// Replace it with the app's per-app client address (own attempt budget). Default.
+    #[default]
+    Substitute,
+    /// Remove it (the request lands in Dovecot's shared rip-less budget).
+    Drop,
+}
+
+/// Options of the `dovecot-auth` filter.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DovecotConfig {
+    /// `substitute` (default) or `drop`.
+    #[serde(default)]
+    pub rip_policy: RipPolicy,
+    /// The app's per-app client address (required for `substitute`; unique per app).
+    #[serde(default)]
+    pub client_address: Option<IpAddr>,
+    /// Networks of the platform's per-app client addresses (e.g. `"100.64.0.0/10"`): a
+    /// guest's `rip` inside them is another app's identity and is treated like a gateway.
+    #[serde(default)]
+    pub reserved_networks: Vec<Cidr>,
+    /// Parameter keys passed to Dovecot; every other key is removed. Default: see docs.
+    #[serde(default)]
+    pub allow_fields: Option<Vec<String>>,
+}
+
+/// A service the app declared.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServiceConfig {
+    /// Name in log lines, e.g. `dovecot-auth`.
+    pub name: String,
+    /// The vsock port the platform assigned to this service for this app.
+    pub port: u32,
+    /// `stream` (default) or `dovecot-auth`.
+    #[serde(default)]
+    pub kind: Kind,
+    /// Listening path (unix mode only).
+    #[serde(default)]
+    pub listen: Option<PathBuf>,
+    /// Where connections go: the per-app endpoint (option a), or the service's socket
+    /// dialled as the app's user (option b, with `run_as`).
+    pub upstream: Endpoint,
+    /// Filter options (kind `dovecot-auth` only).
+    #[serde(default)]
+    pub dovecot: Option<DovecotConfig>,
+}
+
+/// A platform service the app did not declare: listened on, every connection refused.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UndeclaredConfig {
+    /// Name in log lines.
+    pub name: String,
+    /// Its vsock port.
+    pub port: u32,
+    /// Listening path (unix mode only).
+    #[serde(default)]
+    pub listen: Option<PathBuf>,
+}
+
+/// The whole file.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// The app's name (log lines).
+    pub app: String,
+    /// The VM.
+    pub vm: VmConfig,
+    /// Where guest connections arrive.
+    pub mode: Mode,
+    /// The guest-facing socket files.
+    #[serde(default)]
+    pub socket: SocketConfig,
+    /// Become this user after binding (option b); absent: stay as started.
+    #[serde(default)]
+    pub run_as: Option<RunAs>,
+    /// Declared services.
+    pub services: Vec<ServiceConfig>,
+    /// Platform services not declared (refused and logged).
+    #[serde(default)]
+    pub undeclared: Vec<UndeclaredConfig>,
+}
+
+/// One listener the relay will open, derived from the configuration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ListenSpec {
+    /// Service name.
+    pub name: String,
+    /// Port (also for per-VM socket names).
+    pub port: u32,
+    /// Where to listen.
+    pub endpoint: Endpoint,
+}
+
+impl Config {
+    /// Reads, parses and validates a file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Config::parse(&text)
+    }
+
+    /// Parses and validates JSON text.
+    pub fn parse(text: &str) -> Result<Config, ConfigError> {
+        let config: Config = serde_json::from_str(text)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// The socket file mode as a number.
+    pub fn socket_mode(&self) -> Result<u32, ConfigError> {
+        let m = self.socket.mode.trim_start_matches("0o");
+        match u32::from_str_radix(m, 8) {
+            Ok(v) if v <= 0o777 => Ok(v),
+            _ => Err(invalid(
+                "socket.mode",
+                format!(
+                    "{:?} is not an octal file mode; write e.g. \"0600\" or \"0660\"",
+                    self.socket.mode
+                ),
+            )),
+        }
+    }
+
+    /// Checks everything serde cannot.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.app.is_empty() || self.app.chars().any(|c| c.is_control() || c == '/') {
+            return Err(invalid(
+                "app",
+                "must be a non-empty name without '/' or control characters",
+            ));
+        }
+        let mode = self.socket_mode()?;
+        if mode & 0o007 != 0 {
+            return Err(invalid(
+                "socket.mode",
+                "gives access to other users: any local user could speak as this VM; use 0600 or 0660",
+            ));
+        }
+        match self.mode {
+            Mode::PerVmSocket => match &self.vm.vsock_uds {
+                Some(p) if p.is_absolute() => {}
+                _ => {
+                    return Err(invalid(
+                        "vm.vsock_uds",
+                        "per_vm_socket mode needs the VMM's absolute hybrid vsock socket path",
+                    ))
+                }
+            },
+            Mode::Cid => match self.vm.cid {
+                Some(cid) if (3..u32::MAX).contains(&cid) => {}
+                _ => {
+                    return Err(invalid(
+                        "vm.cid",
+                        "cid mode needs the guest CID the platform registered (3 or above)",
+                    ))
+                }
+            },
+            Mode::Unix => {}
+        }
+        if let Some(r) = &self.run_as {
+            if r.uid == 0 {
+                return Err(invalid(
+                    "run_as.uid",
+                    "0 is root: the service would see root, not the app; give the app's uid or omit run_as",
+                ));
+            }
+        }
+        if self.services.is_empty() {
+            return Err(invalid(
+                "services",
+                "is empty: declare at least one service",
+            ));
+        }
+        let mut names = HashSet::new();
+        let mut ports = HashSet::new();
+        for (i, s) in self.services.iter().enumerate() {
+            let f = format!("services[{i}]");
+            if !names.insert(s.name.clone()) {
+                return Err(invalid(format!("{f}.name"), "duplicate service name"));
+            }
+            if !ports.insert(s.port) {
+                return Err(invalid(format!("{f}.port"), "port used twice"));
+            }
+            self.check_listen(&f, s.listen.as_deref())?;
+            s.upstream
+                .validate()
+                .map_err(|r| invalid(format!("{f}.upstream"), r))?;
+            match (s.kind, &s.dovecot) {
+                (Kind::Stream, Some(_)) => {
+                    return Err(invalid(
+                        format!("{f}.dovecot"),
+                        "only for kind \"dovecot-auth\"; remove it or set the kind",
+                    ))
+                }
+                (Kind::DovecotAuth, d) => self.check_dovecot(&f, &d.clone().unwrap_or_default())?,
+                (Kind::Stream, None) => {}
+            }
+        }
+        for (i, u) in self.undeclared.iter().enumerate() {
+            let f = format!("undeclared[{i}]");
+            if !names.insert(u.name.clone()) {
+                return Err(invalid(format!("{f}.name"), "duplicate service name"));
+            }
+            if !ports.insert(u.port) {
+                return Err(invalid(format!("{f}.port"), "port used twice"));
+            }
+            self.check_listen(&f, u.listen.as_deref())?;
+        }
+        // The resulting listen endpoints must be valid socket addresses.
+        for l in self.listeners() {
+            l.endpoint
+                .validate()
+                .map_err(|r| invalid(format!("listener for {}", l.name), r))?;
+        }
+        Ok(())
+    }
+
+    fn check_listen(&self, f: &str, listen: Option<&Path>) -> Result<(), ConfigError> {
+        match (self.mode, listen) {
+            (Mode::Unix, Some(p)) if p.is_absolute() => Ok(()),
+            (Mode::Unix, _) => Err(invalid(
+                format!("{f}.listen"),
+                "unix mode needs an absolute listening path for every service",
+            )),
+            (_, Some(_)) => Err(invalid(
+                format!("{f}.listen"),
+                "only used in unix mode; remove it (the port decides where to listen)",
+            )),
+            (_, None) => Ok(()),
+        }
+    }
+
+    fn check_dovecot(&self, f: &str, d: &DovecotConfig) -> Result<(), ConfigError> {
+        let f = format!("{f}.dovecot");
+        if d.rip_policy == RipPolicy::Substitute {
+            let Some(addr) = d.client_address else {
+                return Err(invalid(
+                    format!("{f}.client_address"),
+                    "the substitute policy needs the app's per-app client address (unique per app), or set rip_policy to \"drop\"",
+                ));
+            };
+            if self.vm.gateways.contains(&addr) {
+                return Err(invalid(
+                    format!("{f}.client_address"),
+                    "equals a gateway address; give the app its own address",
+                ));
+            }
+        }
+        if let Some(fields) = &d.allow_fields {
+            for (i, k) in fields.iter().enumerate() {
+                if k.is_empty() || k.bytes().any(|b| b == b'\t' || b == b'=' || b < 0x20) {
+                    return Err(invalid(
+                        format!("{f}.allow_fields[{i}]"),
+                        "must be a parameter key without '=', tabs or control characters",
+                    ));
+                }
+                if k == "resp" {
+                    return Err(invalid(
+                        format!("{f}.allow_fields[{i}]"),
+                        "resp is always passed (and kept last); remove it from the list",
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The allow-list of a dovecot-auth service.
+    pub fn allow_fields(d: &DovecotConfig) -> Vec<String> {
+        d.allow_fields
+            .clone()
+            .unwrap_or_else(|| DEFAULT_ALLOW_FIELDS.iter().map(|s| s.to_string()).collect())
+    }
+
+    /// Where a service with `port` (and `listen` in unix mode) listens.
+    pub fn endpoint_for(&self, port: u32, listen: Option<&Path>) -> Endpoint {
+        match self.mode {
+            Mode::PerVmSocket => {
+                let uds = self.vm.vsock_uds.as_deref().unwrap_or(Path::new(""));
+                let mut s = uds.as_os_str().to_owned();
+                s.push(format!("_{port}"));
+                Endpoint::Unix(PathBuf::from(s))
+            }
+            Mode::Cid => Endpoint::Vsock {
+                cid: u32::MAX,
+                port,
+            },
+            Mode::Unix => Endpoint::Unix(listen.map(Path::to_path_buf).unwrap_or_default()),
+        }
+    }
+
+    /// Every listener, declared services first, then undeclared ones.
+    pub fn listeners(&self) -> Vec<ListenSpec> {
+        let declared = self.services.iter().map(|s| (&s.name, s.port, &s.listen));
+        let undeclared = self.undeclared.iter().map(|u| (&u.name, u.port, &u.listen));
+        declared
+            .chain(undeclared)
+            .map(|(name, port, listen)| ListenSpec {
+                name: name.clone(),
+                port,
+                endpoint: self.endpoint_for(port, listen.as_deref()),
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base() -> serde_json::Value {
+        serde_json::json!({
+            "app": "radicale",
+            "vm": {"id": "vm1", "vsock_uds": "/run/vm1/vm.vsock", "cid": 3, "gateways": ["10.0.2.2"]},
+            "mode": "per_vm_socket",
+            "services": [{"name": "dovecot-auth", "port": 5001, "kind": "dovecot-auth",
+                          "upstream": {"unix": "/run/dovecot/auth-radicale"},
+                          "dovecot": {"client_address": "100.64.0.7"}}],
+            "undeclared": [{"name": "agent", "port": 5003}]
+        })
+    }
+
+    fn err(v: serde_json::Value) -> String {
+        Config::parse(&v.to_string()).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn accepts_the_documented_shape() {
+        let c = Config::parse(&base().to_string()).unwrap();
+        let l = c.listeners();
+        assert_eq!(
+            l[0].endpoint,
+            Endpoint::Unix("/run/vm1/vm.vsock_5001".into())
+        );
+        assert_eq!(
+            l[1].endpoint,
+            Endpoint::Unix("/run/vm1/vm.vsock_5003".into())
+        );
+        assert_eq!(c.socket_mode().unwrap(), 0o600);
+    }
+
+    #[test]
+    fn unknown_fields_are_refused_by_name() {
+        let mut v = base();
+        v["servces"] = serde_json::json!([]);
+        assert!(err(v).contains("servces"));
+        let mut v = base();
+        v["services"][0]["dovecot"]["rip_polcy"] = "drop".into();
+        assert!(err(v).contains("rip_polcy"));
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let mut v = base();
+        v["services"][0]["dovecot"] = serde_json::json!({});
+        assert!(err(v).starts_with("services[0].dovecot.client_address"));
+        let mut v = base();
+        v["services"][0]["dovecot"]["client_address"] = "10.0.2.2".into();
+        assert!(err(v).contains("gateway"));
+        let mut v = base();
+        v["vm"]["vsock_uds"] = serde_json::Value::Null;
+        assert!(err(v).starts_with("vm.vsock_uds"));
+        let mut v = base();
+        v["mode"] = "cid".into();
+        v["vm"]["cid"] = 2.into();
+        assert!(err(v).starts_with("vm.cid"));
+        let mut v = base();
+        v["undeclared"][0]["port"] = 5001.into();
+        assert!(err(v).starts_with("undeclared[0].port"));
+        let mut v = base();
+        v["socket"] = serde_json::json!({"mode": "0666"});
+        assert!(err(v).starts_with("socket.mode"));
+        let mut v = base();
+        v["socket"] = serde_json::json!({"mode": "rw"});
+        assert!(err(v).starts_with("socket.mode"));
+        let mut v = base();
+        v["run_as"] = serde_json::json!({"uid": 0, "gid": 0});
+        assert!(err(v).starts_with("run_as.uid"));
+        let mut v = base();
+        v["mode"] = "unix".into();
+        assert!(err(v).starts_with("services[0].listen"));
+        let mut v = base();
+        v["services"][0]["listen"] = "/x".into();
+        assert!(err(v).starts_with("services[0].listen"));
+        let mut v = base();
+        v["services"][0]["dovecot"]["allow_fields"] = serde_json::json!(["resp"]);
+        assert!(err(v).starts_with("services[0].dovecot.allow_fields[0]"));
+        let mut v = base();
+        v["services"][0]["kind"] = "stream".into();
+        assert!(err(v).starts_with("services[0].dovecot"));
+        let mut v = base();
+        v["services"] = serde_json::json!([]);
+        assert!(err(v).starts_with("services"));
+        let mut v = base();
+        v["app"] = "a/b".into();
+        assert!(err(v).starts_with("app"));
+    }
+
+    #[test]
+    fn drop_policy_needs_no_address_and_cid_mode_listens_on_vsock_any() {
+        let mut v = base();
+        v["services"][0]["dovecot"] = serde_json::json!({"rip_policy": "drop"});
+        v["mode"] = "cid".into();
+        let c = Config::parse(&v.to_string()).unwrap();
+        assert_eq!(
+            c.listeners()[0].endpoint,
+            Endpoint::Vsock {
+                cid: u32::MAX,
+                port: 5001
+            }
+        );
+    }
+}

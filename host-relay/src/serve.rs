@@ -1,0 +1,229 @@
+//! Serving: one accept loop per listener, one task per connection, until shutdown.
+//!
+//! **Shape.** One process serves one app (one VM). Each declared service is an *instance*:
+//! a listener, its admission [`Gate`], its upstream and, for `dovecot-auth`, its filter
+//! [`Policy`]. Each undeclared platform service is an instance that refuses everyone. All
+//! instances share one tokio runtime. Tearing the app down is stopping one process; a
+//! crash takes down one app's relay, never another's.
+//!
+//! **Accept loops never die** (a peer's lesson: one failed accept ended a loop and every
+//! later caller hung). Errors are logged; resource exhaustion (`EMFILE`, `ENFILE`,
+//! `ENOBUFS`, `ENOMEM`) backs off from 10 ms to at most 1 s, since retrying at once would
+//! spin; anything transient (`ECONNABORTED`, `EINTR`) is retried at once. Each admitted
+//! connection runs in its own task, so one stuck connection (a service that never answers,
+//! a guest that never reads) blocks nothing else. The listener backlog is 4096.
+//!
+//! **What is logged.** One line per connection decision, with app, service, peer and
+//! reason (`admitted`, or `refused` with e.g. "service not declared by app", or the
+//! foreign CID and port). Closing a dovecot-auth connection for a bad line logs the kind
+//! of problem only, never line contents: `resp=` and `CONT` lines carry credentials.
+//!
+//! **Shutdown.** When the shutdown future completes, the loops stop accepting, the
+//! listeners close, every socket file this process created is removed, and [`serve`]
+//! returns; the binary then exits 0. Connections still open end with the process.
+
+use std::future::Future;
+use std::io;
+use std::sync::Arc;
+use std::time::Duration;
+
+use guest_init::endpoint::{Conn, Endpoint, Listener, Peer};
+use guest_init::pump;
+use tokio::sync::watch;
+
+use crate::admission::{decide, Decision, Gate, Transport};
+use crate::config::{Config, Kind, Mode, RipPolicy};
+use crate::dovecot::{FilterError, GuestFilter, Policy, RipRule};
+use crate::listen::Bound;
+
+/// How long dialling an upstream may take before the guest's connection is closed.
+pub const UPSTREAM_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One listener's job.
+#[derive(Debug)]
+pub struct Instance {
+    /// The app.
+    pub app: String,
+    /// The service name.
+    pub service: String,
+    /// Admission rules.
+    pub gate: Gate,
+    /// Where admitted connections go (`None` for undeclared services).
+    pub upstream: Option<Endpoint>,
+    /// The dovecot-auth filter, if any.
+    pub filter: Option<Policy>,
+}
+
+/// Builds the instance for a listener: `service` indexes `config.services`, `None` is an
+/// undeclared service.
+pub fn instance(config: &Config, service: Option<usize>, name: &str) -> Instance {
+    let transport = match (config.mode, config.vm.cid) {
+        (Mode::PerVmSocket, _) => Transport::PerVmSocket,
+        (Mode::Cid, Some(registered)) => Transport::Cid { registered },
+        // Validation requires a CID in cid mode; without one nobody is admitted.
+        (Mode::Cid, None) => Transport::Cid { registered: 0 },
+        (Mode::Unix, _) => Transport::Unix,
+    };
+    let svc = service.and_then(|i| config.services.get(i));
+    let filter = svc.filter(|s| s.kind == Kind::DovecotAuth).map(|s| {
+        let d = s.dovecot.clone().unwrap_or_default();
+        Policy {
+            gateways: config.vm.gateways.clone(),
+            reserved: d.reserved_networks.clone(),
+            rip: match (d.rip_policy, d.client_address) {
+                (RipPolicy::Substitute, Some(a)) => RipRule::Substitute(a),
+                _ => RipRule::Drop,
+            },
+            allow: Config::allow_fields(&d),
+        }
+    });
+    Instance {
+        app: config.app.clone(),
+        service: name.to_string(),
+        gate: Gate {
+            transport,
+            declared: svc.is_some(),
+        },
+        upstream: svc.map(|s| s.upstream.clone()),
+        filter,
+    }
+}
+
+/// Serves every bound listener until `shutdown` completes, then removes the socket files.
+/// Must run inside a tokio runtime.
+pub async fn serve(
+    config: &Config,
+    bound: Bound,
+    shutdown: impl Future<Output = ()>,
+) -> io::Result<()> {
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut loops = Vec::new();
+    let count = bound.listeners.len();
+    for b in bound.listeners {
+        let inst = Arc::new(instance(config, b.service, &b.spec.name));
+        let listener = Listener::from_listening_fd(b.fd, b.spec.endpoint.clone())?;
+        loops.push(tokio::spawn(accept_loop(listener, inst, stop_rx.clone())));
+    }
+    tracing::info!(app = %config.app, vm = %config.vm.id, listeners = count, "ready");
+    shutdown.await;
+    let _ = stop_tx.send(true);
+    for l in loops {
+        let _ = l.await;
+    }
+    drop(bound.files);
+    tracing::info!(app = %config.app, "stopped: listeners closed, socket files removed");
+    Ok(())
+}
+
+/// The pause before accepting again after `e`, given the previous pause.
+pub fn accept_backoff(e: &io::Error, previous: Duration) -> Duration {
+    match e.raw_os_error() {
+        Some(libc::ECONNABORTED | libc::EINTR | libc::EAGAIN | libc::EPROTO) => Duration::ZERO,
+        _ => (previous * 2).clamp(Duration::from_millis(10), Duration::from_secs(1)),
+    }
+}
+
+async fn accept_loop(listener: Listener, inst: Arc<Instance>, mut stop: watch::Receiver<bool>) {
+    let mut pause = Duration::ZERO;
+    loop {
+        let accepted = tokio::select! {
+            _ = stop.changed() => break,
+            r = listener.accept() => r,
+        };
+        match accepted {
+            Ok((conn, peer)) => {
+                pause = Duration::ZERO;
+                match decide(&inst.gate, &peer) {
+                    Decision::Admit => {
+                        tracing::info!(app = %inst.app, service = %inst.service, peer = %peer,
+                            reason = "declared by app, peer is the app's VM", "admitted");
+                        tokio::spawn(serve_conn(inst.clone(), conn, peer));
+                    }
+                    Decision::Refuse(reason) => {
+                        tracing::warn!(app = %inst.app, service = %inst.service, peer = %peer,
+                            reason = %reason, "refused");
+                        drop(conn);
+                    }
+                }
+            }
+            Err(e) => {
+                pause = accept_backoff(&e, pause);
+                tracing::error!(app = %inst.app, service = %inst.service, error = %e,
+                    pause_ms = pause.as_millis() as u64, "accept failed; listener stays up");
+                if !pause.is_zero() {
+                    tokio::select! {
+                        _ = stop.changed() => break,
+                        _ = tokio::time::sleep(pause) => {}
+                    }
+                }
+            }
+        }
+    }
+}
+
+async fn serve_conn(inst: Arc<Instance>, guest: Conn, peer: Peer) {
+    let Some(upstream) = &inst.upstream else {
+        return;
+    };
+    let service = match tokio::time::timeout(UPSTREAM_CONNECT_TIMEOUT, upstream.connect()).await {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => {
+            tracing::warn!(app = %inst.app, service = %inst.service, peer = %peer,
+                upstream = %upstream, error = %e, "upstream unreachable; closing");
+            return;
+        }
+        Err(_) => {
+            tracing::warn!(app = %inst.app, service = %inst.service, peer = %peer,
+                upstream = %upstream, "upstream connect timed out; closing");
+            return;
+        }
+    };
+    match &inst.filter {
+        None => {
+            pump::relay(&guest, &service).await;
+        }
+        Some(policy) => {
+            if let Err(e) = dovecot_session(&guest, &service, policy).await {
+                tracing::warn!(app = %inst.app, service = %inst.service, peer = %peer,
+                    reason = %e, "closed: guest sent a line the filter refuses");
+            }
+        }
+    }
+}
+
+/// Relays one dovecot-auth connection: service-to-guest bytes unchanged (through
+/// [`pump::copy`]), guest-to-service lines through the filter. A filter error ends both
+/// directions at once (the connections close when the caller drops them).
+pub async fn dovecot_session(
+    guest: &Conn,
+    service: &Conn,
+    policy: &Policy,
+) -> Result<(), FilterError> {
+    let down = pump::copy(service, guest);
+    let up = async {
+        let mut filter = GuestFilter::new(policy);
+        // Ends at end of stream (an unfinished line is never sent) or a read error.
+        while let Ok(Some(chunk)) = guest.read_pooled().await {
+            let mut out = Vec::new();
+            filter.feed(&chunk, &mut out)?;
+            drop(chunk);
+            if !out.is_empty() && service.write_all(&out).await.is_err() {
+                break;
+            }
+        }
+        let _ = service.shutdown_write();
+        Ok(())
+    };
+    tokio::pin!(up, down);
+    let (mut up_done, mut down_done) = (false, false);
+    while !(up_done && down_done) {
+        tokio::select! {
+            r = &mut up, if !up_done => {
+                r?;
+                up_done = true;
+            }
+            _ = &mut down, if !down_done => down_done = true,
+        }
+    }
+    Ok(())
+}
