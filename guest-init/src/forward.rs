@@ -32,7 +32,9 @@
 //!   `ENOBUFS`, `ENOMEM`) is logged at most once a second and backed off briefly (the
 //!   pending connection stays queued and would otherwise make the loop spin); per-connection
 //!   errors such as `ECONNABORTED` are skipped. Apple's vminitd once let one failed accept
-//!   end its loop, and every later caller hung.
+//!   end its loop, and every later caller hung. The loop also reserves the descriptor a
+//!   connection's dial will need *before* accepting it, so that when descriptors run out,
+//!   callers wait in the backlog instead of being accepted and starving each other's dials.
 //! - **One task per connection, no limit.** A stalled or failing connection holds only its
 //!   own task; worker pools starved in Nitro's vsock-proxy and gvisor-tap-vsock. The only
 //!   limits are the kernel's (descriptors, and the VMM's 1023 vsock connections per VM).
@@ -628,16 +630,7 @@ fn listen_unix(
     gid: Option<nix::unistd::Gid>,
 ) -> io::Result<(Listener, CreatedSocket)> {
     if let Some(parent) = path.parent() {
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o755)
-            .create(parent)
-            .map_err(|e| {
-                io::Error::new(
-                    e.kind(),
-                    format!("cannot create parent directory {}: {e}", parent.display()),
-                )
-            })?;
+        create_parents(parent)?;
     }
     remove_stale(path)?;
     let fd: OwnedFd = socket::socket(
@@ -673,6 +666,32 @@ fn listen_unix(
             Err(e)
         }
     }
+}
+
+/// Creates `dir` and its missing ancestors with mode 0755 exactly (whatever the umask), so
+/// the app, which does not run as root, can reach the socket. Existing directories are left
+/// as they are.
+fn create_parents(dir: &Path) -> io::Result<()> {
+    let missing: Vec<&Path> = dir
+        .ancestors()
+        .take_while(|d| std::fs::symlink_metadata(d).is_err())
+        .collect();
+    for d in missing.into_iter().rev() {
+        let made = std::fs::DirBuilder::new().mode(0o755).create(d);
+        match made {
+            Ok(()) => std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)),
+            // Someone else made it meanwhile: theirs to keep as it is.
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+            Err(e) => Err(e),
+        }
+        .map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("cannot create parent directory {}: {e}", d.display()),
+            )
+        })?;
+    }
+    Ok(())
 }
 
 /// Removes a socket nobody listens on; refuses anything else that is in the way.
@@ -779,14 +798,27 @@ const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(5);
 const ACCEPT_BACKOFF_MAX: Duration = Duration::from_millis(500);
 
 /// Accepts forever; each connection becomes its own task.
+///
+/// Before each accept the loop reserves the descriptor the connection's dial will need
+/// (an unconnected socket, closed just before dialling). Without it, a process out of
+/// descriptors accepts callers it cannot dial for: each accepted caller holds the last free
+/// descriptor while its dial fails, and they starve one another until every dial gives up.
+/// With it, callers the process cannot serve yet wait in the backlog.
 async fn accept_loop(listener: Listener, route: Arc<Route>) {
     let mut backoff = ACCEPT_BACKOFF_MIN;
     loop {
-        match listener.accept().await {
-            Ok((conn, peer)) => {
+        let next = match reserve_descriptor() {
+            Ok(reserve) => listener
+                .accept()
+                .await
+                .map(|(conn, peer)| (conn, peer, reserve)),
+            Err(e) => Err(e),
+        };
+        match next {
+            Ok((conn, peer, reserve)) => {
                 backoff = ACCEPT_BACKOFF_MIN;
                 debug!("{}: accepted a connection from {peer}", route.label);
-                tokio::spawn(serve(conn, Arc::clone(&route)));
+                tokio::spawn(serve(conn, reserve, Arc::clone(&route)));
             }
             Err(e) => match classify_accept(&e) {
                 AcceptFailure::Skip => {
@@ -815,8 +847,20 @@ async fn accept_loop(listener: Listener, route: Arc<Route>) {
     }
 }
 
+/// Holds one descriptor slot for a connection's dial (see [`accept_loop`]).
+fn reserve_descriptor() -> io::Result<OwnedFd> {
+    Ok(socket::socket(
+        AddressFamily::Unix,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )?)
+}
+
 /// Serves one accepted connection: dial, then relay until both directions end.
-async fn serve(caller: Conn, route: Arc<Route>) {
+async fn serve(caller: Conn, reserve: OwnedFd, route: Arc<Route>) {
+    // Free the reserved slot for the dial's socket.
+    drop(reserve);
     match dial(&route.target, &route.dial).await {
         Ok(upstream) => {
             let t = pump::relay(&caller, &upstream).await;
