@@ -48,6 +48,9 @@ enum Cmd {
         /// Volume label (also seeds the UUID).
         #[arg(long, default_value = "rootfs")]
         label: String,
+        /// Also set every time in the source tree to the epoch.
+        #[arg(long)]
+        normalize_times: bool,
         /// Output file.
         #[arg(short, long)]
         output: PathBuf,
@@ -120,6 +123,7 @@ fn main() -> Result<()> {
             source,
             size_mib,
             label,
+            normalize_times,
             output,
         } => {
             rootdisk::build(
@@ -127,6 +131,7 @@ fn main() -> Result<()> {
                     source,
                     size_mib,
                     label,
+                    normalize_times,
                 },
                 &output,
             )?;

@@ -31,6 +31,10 @@ pub struct RootDiskSpec {
     pub size_mib: u64,
     /// Volume label, also the seed of the UUID and hash seed.
     pub label: String,
+    /// Also set every file's access and modification time *in the source tree* to the
+    /// epoch (the image's times are zeroed either way; this makes the tree itself
+    /// time-independent, e.g. for hashing or archiving it).
+    pub normalize_times: bool,
 }
 
 /// A root disk build error.
@@ -89,6 +93,30 @@ pub fn uuid_from(seed: &str, salt: u8) -> String {
         &hex[16..20],
         &hex[20..32]
     )
+}
+
+fn set_times_to_epoch(path: &Path) -> Result<(), RootDiskError> {
+    let io = |source| RootDiskError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let meta = std::fs::symlink_metadata(path).map_err(io)?;
+    if meta.file_type().is_symlink() {
+        return Ok(());
+    }
+    if meta.is_dir() {
+        for e in std::fs::read_dir(path).map_err(io)? {
+            set_times_to_epoch(&e.map_err(io)?.path())?;
+        }
+    }
+    let f = std::fs::File::open(path).map_err(io)?;
+    let epoch = std::time::SystemTime::UNIX_EPOCH;
+    f.set_times(
+        std::fs::FileTimes::new()
+            .set_accessed(epoch)
+            .set_modified(epoch),
+    )
+    .map_err(io)
 }
 
 /// Every path under `root`, relative, with a leading `/`, sorted.
@@ -185,6 +213,9 @@ pub fn build(spec: &RootDiskSpec, out: &Path) -> Result<(), RootDiskError> {
     {
         return Err(RootDiskError::BadLabel(spec.label.clone()));
     }
+    if spec.normalize_times {
+        set_times_to_epoch(&spec.source)?;
+    }
     let io = |source| RootDiskError::Io {
         path: out.to_path_buf(),
         source,
@@ -271,6 +302,7 @@ mod tests {
             source: src.clone(),
             size_mib: 8,
             label: "test-root".into(),
+            normalize_times: false,
         };
         let a = tmp.path().join("a.ext4");
         let b = tmp.path().join("b.ext4");
@@ -296,6 +328,7 @@ mod tests {
             source: "/nonexistent-dir".into(),
             size_mib: 8,
             label: "x".into(),
+            normalize_times: false,
         };
         let msg = build(&spec, Path::new("/tmp/never.ext4"))
             .unwrap_err()
@@ -306,6 +339,7 @@ mod tests {
             source: tmp.path().into(),
             size_mib: 8,
             label: "bad label!".into(),
+            normalize_times: false,
         };
         assert!(matches!(
             build(&spec, &tmp.path().join("o")),

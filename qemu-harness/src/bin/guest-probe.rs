@@ -1,0 +1,583 @@
+//! `guest-probe`: a small static program that runs inside test guests, as the app or as a
+//! helper, and reports what it saw as `guest-probe: ...` lines on stdout (the console).
+//!
+//! It speaks to the guest side of the system the way real apps do, so the VM tests can
+//! check behaviour end to end without a shell or an interpreter in the guest:
+//!
+//! - `signin --socket PATH --try USER:PASS [--try ...]`: Dovecot auth exactly as Radicale
+//!   does it — one `recv(1024)` for the whole greeting, one for the reply — and prints
+//!   `signin USER OK` or `signin USER FAIL` per attempt.
+//! - `burst N --socket PATH --try USER:PASS`: N concurrent sign-ins (threads released
+//!   together); prints `burst ok=.. fail=.. err=..`.
+//! - `serve-echo PATH`: a Unix echo server (a guest service the host reaches).
+//! - `zombies N`: makes N orphans that die at once (zombies for PID 1 to reap), then
+//!   watches `/proc` and prints how many zombies are left.
+//! - `last-words --socket PATH --words TEXT`: waits for SIGTERM, then writes TEXT and a
+//!   newline to PATH, waits for the host's `ack` line, and exits 0.
+//! - `vsock-connect --cid C --port P`: an AF_VSOCK connect; prints what happened.
+//! - `cid-test --relay BIN --port P --echo PATH --config LABEL=FILE ...`: runs host-relay in
+//!   CID mode inside the guest over `vsock_loopback` (peer CID 1) once per config, and
+//!   prints whether each admitted or refused a loopback connection.
+//!
+//! A trailing `--then-sleep` makes it wait for SIGTERM after the action (exit 0), so the
+//! app stays up until the host stops the VM. Exit status: 0 when the action's expectation
+//! held, 1 otherwise, 2 on bad usage.
+//!
+//! Secrets: passwords are test fixtures, but still never printed.
+
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::process::{Command, ExitCode, Stdio};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+fn say(msg: std::fmt::Arguments<'_>) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "guest-probe: {msg}");
+    let _ = out.flush();
+}
+
+macro_rules! say {
+    ($($t:tt)*) => { say(format_args!($($t)*)) };
+}
+
+fn usage(msg: &str) -> ExitCode {
+    eprintln!("guest-probe: usage error: {msg}");
+    ExitCode::from(2)
+}
+
+/// Blocks SIGTERM in this thread (threads spawned later inherit it) so `wait_term` can
+/// take it synchronously.
+fn block_term() {
+    // SAFETY: plain libc calls on a local, zero-initialised sigset_t.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+    }
+}
+
+fn wait_term() {
+    // SAFETY: as in `block_term`; sigwait writes the signal number into a local.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        let mut sig = 0;
+        libc::sigwait(&set, &mut sig);
+    }
+}
+
+fn b64(input: &[u8]) -> String {
+    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for chunk in input.chunks(3) {
+        let b = [
+            chunk[0],
+            *chunk.get(1).unwrap_or(&0),
+            *chunk.get(2).unwrap_or(&0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(T[((n >> (18 - 6 * i)) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+#[derive(Debug, PartialEq)]
+enum Signin {
+    Ok,
+    Fail,
+    Error(String),
+}
+
+/// One sign-in the way Radicale 3.9's dovecot backend does it.
+fn signin(socket: &str, user: &str, pass: &str) -> Signin {
+    let run = || -> std::io::Result<Signin> {
+        let mut s = UnixStream::connect(socket)?;
+        s.set_read_timeout(Some(Duration::from_secs(60)))?;
+        let mut buf = [0u8; 1024];
+        // ONE recv for the whole greeting, as Radicale does.
+        let n = s.read(&mut buf)?;
+        let greeting = String::from_utf8_lossy(&buf[..n]).into_owned();
+        if !greeting.contains("VERSION\t1\t") || !greeting.ends_with("DONE\n") {
+            return Ok(Signin::Error(format!(
+                "broken server handshake ({n} bytes in one recv)"
+            )));
+        }
+        if !greeting.contains("MECH\tPLAIN") {
+            return Ok(Signin::Error("no PLAIN mechanism".into()));
+        }
+        s.write_all(format!("VERSION\t1\t1\nCPID\t{}\n", std::process::id()).as_bytes())?;
+        let resp = b64(format!("\0{user}\0{pass}").as_bytes());
+        s.write_all(
+            format!("AUTH\t1\tPLAIN\tservice=radicale\trip=10.0.2.2\tresp={resp}\n").as_bytes(),
+        )?;
+        let n = s.read(&mut buf)?;
+        let reply = String::from_utf8_lossy(&buf[..n]);
+        Ok(if reply.starts_with("OK\t1") {
+            Signin::Ok
+        } else if reply.starts_with("FAIL\t1") {
+            Signin::Fail
+        } else {
+            Signin::Error(format!("unexpected reply ({n} bytes)"))
+        })
+    };
+    run().unwrap_or_else(|e| Signin::Error(e.to_string()))
+}
+
+fn vsock_connect(cid: u32, port: u32) -> std::io::Result<UnixStreamLike> {
+    // SAFETY: socket(2) with constant arguments; the result is checked before use.
+    let fd = unsafe { libc::socket(libc::AF_VSOCK, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh descriptor this function owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: sockaddr_vm is plain old data; all-zero is a valid starting value.
+    let mut addr: libc::sockaddr_vm = unsafe { std::mem::zeroed() };
+    addr.svm_family = libc::AF_VSOCK as libc::sa_family_t;
+    addr.svm_cid = cid;
+    addr.svm_port = port;
+    // SAFETY: `addr` is a valid sockaddr_vm and the length passed is its size.
+    let rc = unsafe {
+        libc::connect(
+            fd.as_raw_fd(),
+            std::ptr::addr_of!(addr).cast(),
+            std::mem::size_of::<libc::sockaddr_vm>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // A stream socket fd works with UnixStream's read/write (plain read(2)/write(2)).
+    Ok(UnixStream::from(fd))
+}
+
+type UnixStreamLike = UnixStream;
+
+/// Sends `msg`, reads what comes back within 10 s: `Ok(Some(reply))`, or `Ok(None)` when
+/// the peer closed without a byte.
+fn exchange(s: &mut UnixStream, msg: &[u8]) -> std::io::Result<Option<Vec<u8>>> {
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    // A refused connection may already be closed: a failed write is a refusal too.
+    if let Err(e) = s.write_all(msg) {
+        if matches!(
+            e.kind(),
+            std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+        ) {
+            return Ok(None);
+        }
+        return Err(e);
+    }
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while got.len() < msg.len() {
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(if got.is_empty() { None } else { Some(got) })
+}
+
+fn serve_echo(path: &str) -> std::io::Result<()> {
+    let _ = std::fs::remove_file(path);
+    if let Some(dir) = std::path::Path::new(path).parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let l = UnixListener::bind(path)?;
+    say!("serve-echo listening at {path}");
+    std::thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(mut c) = c else { continue };
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; 65536];
+                loop {
+                    match c.read(&mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => {
+                            if c.write_all(&buf[..n]).is_err() {
+                                break;
+                            }
+                        }
+                    }
+                }
+            });
+        }
+    });
+    Ok(())
+}
+
+fn count_zombie_orphans() -> usize {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return usize::MAX;
+    };
+    dir.filter_map(|e| e.ok())
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .bytes()
+                .all(|b| b.is_ascii_digit())
+        })
+        .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
+        .filter(|stat| {
+            // "pid (comm) S ppid ...": fields after the last ')'.
+            let rest = stat.rsplit(')').next().unwrap_or("");
+            let mut f = rest.split_whitespace();
+            f.next() == Some("Z") && f.next() == Some("1")
+        })
+        .count()
+}
+
+fn zombies(n: usize) -> bool {
+    // A child forks N grandchildren that exit at once, then exits itself: the grandchildren
+    // are re-parented to PID 1 and stay zombies until it reaps them.
+    // SAFETY: fork in a process whose other threads do nothing (none were started yet); the
+    // child calls only async-signal-safe functions (fork, _exit) before exiting.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        for _ in 0..n {
+            // SAFETY: as above.
+            unsafe {
+                if libc::fork() == 0 {
+                    libc::_exit(0);
+                }
+            }
+        }
+        // Give the grandchildren time to exit so they are zombies when orphaned.
+        // SAFETY: usleep and _exit are async-signal-safe.
+        unsafe {
+            libc::usleep(200_000);
+            libc::_exit(0);
+        }
+    }
+    if pid < 0 {
+        say!("zombies fork failed");
+        return false;
+    }
+    let mut status = 0;
+    // SAFETY: waits for our own child.
+    unsafe { libc::waitpid(pid, &mut status, 0) };
+    say!("zombies made {n} orphans");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let left = count_zombie_orphans();
+        if left == 0 {
+            say!("zombies left 0 (all reaped by PID 1)");
+            return true;
+        }
+        if Instant::now() > deadline {
+            say!("zombies left {left} after 30 s");
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn last_words(socket: &str, words: &str) -> bool {
+    say!("last-words waiting for SIGTERM");
+    wait_term();
+    say!("last-words got SIGTERM");
+    let run = || -> std::io::Result<String> {
+        let mut s = UnixStream::connect(socket)?;
+        s.set_read_timeout(Some(Duration::from_secs(20)))?;
+        s.write_all(words.as_bytes())?;
+        s.write_all(b"\n")?;
+        // Wait for the host's acknowledgement: the bytes arrived before we go.
+        let mut ack = Vec::new();
+        let mut b = [0u8; 1];
+        while s.read(&mut b)? == 1 && b[0] != b'\n' {
+            ack.push(b[0]);
+        }
+        Ok(String::from_utf8_lossy(&ack).into_owned())
+    };
+    match run() {
+        Ok(ack) => {
+            say!("last-words sent, host said {ack:?}");
+            ack == "ack"
+        }
+        Err(e) => {
+            say!("last-words failed: {e}");
+            false
+        }
+    }
+}
+
+fn vsock_probe(cid: u32, port: u32) -> bool {
+    match vsock_connect(cid, port) {
+        Ok(mut s) => match exchange(&mut s, b"hello\n") {
+            Ok(None) => {
+                say!("vsock-connect {cid}:{port} closed without data");
+                true
+            }
+            Ok(Some(d)) => {
+                say!("vsock-connect {cid}:{port} got {} bytes", d.len());
+                true
+            }
+            Err(e) => {
+                say!("vsock-connect {cid}:{port} error after connect: {e}");
+                true
+            }
+        },
+        Err(e) => {
+            say!("vsock-connect {cid}:{port} failed: {e}");
+            true
+        }
+    }
+}
+
+fn cid_test(relay: &str, port: u32, echo: &str, configs: &[(String, String)]) -> bool {
+    if let Err(e) = serve_echo(echo) {
+        say!("cid-test cannot serve echo at {echo}: {e}");
+        return false;
+    }
+    for (label, config) in configs {
+        let log_path = format!("/run/relay-{label}.log");
+        let log = match std::fs::File::create(&log_path) {
+            Ok(f) => f,
+            Err(e) => {
+                say!("cid-test {label}: cannot create {log_path}: {e}");
+                return false;
+            }
+        };
+        let err = log.try_clone().ok();
+        let mut child = match Command::new(relay)
+            .args(["run", "--config", config])
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log))
+            .stderr(err.map(Stdio::from).unwrap_or_else(Stdio::null))
+            .spawn()
+        {
+            Ok(c) => c,
+            Err(e) => {
+                say!("cid-test {label}: cannot start {relay}: {e}");
+                return false;
+            }
+        };
+        // Wait until the relay accepts on the port (a connect to an unbound loopback port
+        // fails at once), then see what happens to our bytes.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let outcome = loop {
+            match vsock_connect(1, port) {
+                Ok(mut s) => {
+                    let msg = format!("ping-{label}\n");
+                    break match exchange(&mut s, msg.as_bytes()) {
+                        Ok(Some(d)) if d == msg.as_bytes() => "admitted echo ok".to_string(),
+                        Ok(Some(d)) => format!("admitted but got {} unexpected bytes", d.len()),
+                        Ok(None) => "refused (closed without data)".to_string(),
+                        Err(e) => format!("error {e}"),
+                    };
+                }
+                Err(e) if Instant::now() > deadline => break format!("no listener: {e}"),
+                Err(_) => std::thread::sleep(Duration::from_millis(100)),
+            }
+            if let Ok(Some(st)) = child.try_wait() {
+                break format!("relay exited early: {st}");
+            }
+        };
+        say!("cid-test {label} {outcome}");
+        // SAFETY: kill(2) on our own unreaped child.
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+        let _ = child.wait();
+        for line in std::fs::read_to_string(&log_path)
+            .unwrap_or_default()
+            .lines()
+        {
+            say!("relay-{label}: {line}");
+        }
+    }
+    true
+}
+
+fn main() -> ExitCode {
+    block_term();
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let then_sleep = args.last().is_some_and(|a| a == "--then-sleep");
+    if then_sleep {
+        args.pop();
+    }
+    let Some(cmd) = args.first().cloned() else {
+        return usage("no subcommand (signin, burst, serve-echo, zombies, last-words, vsock-connect, cid-test)");
+    };
+    let opt = |name: &str| -> Option<String> {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1).cloned())
+    };
+    let all = |name: &str| -> Vec<String> {
+        args.windows(2)
+            .filter(|w| w[0] == name)
+            .map(|w| w[1].clone())
+            .collect()
+    };
+    let ok = match cmd.as_str() {
+        "signin" => {
+            let Some(socket) = opt("--socket") else {
+                return usage("signin needs --socket PATH");
+            };
+            let mut ok = true;
+            for t in all("--try") {
+                let Some((user, pass)) = t.split_once(':') else {
+                    return usage("--try USER:PASS");
+                };
+                match signin(&socket, user, pass) {
+                    Signin::Ok => say!("signin {user} OK"),
+                    Signin::Fail => say!("signin {user} FAIL"),
+                    Signin::Error(e) => {
+                        say!("signin {user} ERROR {e}");
+                        ok = false;
+                    }
+                }
+            }
+            ok
+        }
+        "burst" => {
+            let (Some(n), Some(socket), Some(t)) = (
+                args.get(1).and_then(|n| n.parse::<usize>().ok()),
+                opt("--socket"),
+                opt("--try"),
+            ) else {
+                return usage("burst N --socket PATH --try USER:PASS");
+            };
+            let Some((user, pass)) = t.split_once(':') else {
+                return usage("--try USER:PASS");
+            };
+            let barrier = Arc::new(Barrier::new(n));
+            let start = Instant::now();
+            let handles: Vec<_> = (0..n)
+                .map(|_| {
+                    let (b, s, u, p) = (
+                        barrier.clone(),
+                        socket.clone(),
+                        user.to_string(),
+                        pass.to_string(),
+                    );
+                    std::thread::Builder::new()
+                        .stack_size(128 * 1024)
+                        .spawn(move || {
+                            b.wait();
+                            signin(&s, &u, &p)
+                        })
+                })
+                .collect();
+            let (mut okc, mut fail, mut err) = (0, 0, 0);
+            let mut first_err = None;
+            for h in handles {
+                match h
+                    .map_err(|e| e.to_string())
+                    .and_then(|h| h.join().map_err(|_| "panic".into()))
+                {
+                    Ok(Signin::Ok) => okc += 1,
+                    Ok(Signin::Fail) => fail += 1,
+                    Ok(Signin::Error(e)) => {
+                        err += 1;
+                        first_err.get_or_insert(e);
+                    }
+                    Err(e) => {
+                        err += 1;
+                        first_err.get_or_insert(e);
+                    }
+                }
+            }
+            say!(
+                "burst ok={okc} fail={fail} err={err} in {} ms{}",
+                start.elapsed().as_millis(),
+                first_err
+                    .map(|e| format!(" (first error: {e})"))
+                    .unwrap_or_default()
+            );
+            okc == n
+        }
+        "serve-echo" => {
+            let Some(path) = args.get(1) else {
+                return usage("serve-echo PATH");
+            };
+            match serve_echo(path) {
+                Ok(()) => {
+                    wait_term();
+                    true
+                }
+                Err(e) => {
+                    say!("serve-echo failed: {e}");
+                    false
+                }
+            }
+        }
+        "zombies" => {
+            let Some(n) = args.get(1).and_then(|n| n.parse().ok()) else {
+                return usage("zombies N");
+            };
+            zombies(n)
+        }
+        "last-words" => {
+            let (Some(socket), Some(words)) = (opt("--socket"), opt("--words")) else {
+                return usage("last-words --socket PATH --words TEXT");
+            };
+            return if last_words(&socket, &words) {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            };
+        }
+        "vsock-connect" => {
+            let (Some(cid), Some(port)) = (
+                opt("--cid").and_then(|c| c.parse().ok()),
+                opt("--port").and_then(|p| p.parse().ok()),
+            ) else {
+                return usage("vsock-connect --cid C --port P");
+            };
+            vsock_probe(cid, port)
+        }
+        "cid-test" => {
+            let (Some(relay), Some(port), Some(echo)) = (
+                opt("--relay"),
+                opt("--port").and_then(|p| p.parse().ok()),
+                opt("--echo"),
+            ) else {
+                return usage("cid-test --relay BIN --port P --echo PATH --config LABEL=FILE...");
+            };
+            let configs: Vec<(String, String)> = all("--config")
+                .iter()
+                .filter_map(|c| {
+                    c.split_once('=')
+                        .map(|(a, b)| (a.to_string(), b.to_string()))
+                })
+                .collect();
+            cid_test(&relay, port, &echo, &configs)
+        }
+        other => return usage(&format!("unknown subcommand {other:?}")),
+    };
+    say!("{cmd} done: {}", if ok { "pass" } else { "FAILED" });
+    if then_sleep {
+        wait_term();
+        say!("SIGTERM, exiting");
+    }
+    if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64_matches_radicale_bytes() {
+        // From the notes: Radicale sent resp=AGFsaWNlAHNlY3JldDEyMw== for alice/secret123.
+        assert_eq!(b64(b"\0alice\0secret123"), "AGFsaWNlAHNlY3JldDEyMw==");
+        assert_eq!(b64(b"ab"), "YWI=");
+        assert_eq!(b64(b"abc"), "YWJj");
+    }
+}
