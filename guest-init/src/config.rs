@@ -46,7 +46,8 @@ pub const VERSION: u32 = 1;
 /// The `PATH` the app gets when its `env` does not set one.
 pub const DEFAULT_APP_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
-/// A configuration that cannot be used.
+/// A configuration that cannot be used. Messages name the field, not the file: callers
+/// say which file they read (see [`Config::load_described`]).
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// The file cannot be read.
@@ -59,10 +60,8 @@ pub enum ConfigError {
         source: std::io::Error,
     },
     /// The JSON does not parse or does not match the schema.
-    #[error("{path}: {field}: {message} (line {line}, column {column})")]
+    #[error("{field}: {message} (line {line}, column {column})")]
     Parse {
-        /// The file.
-        path: String,
         /// The field path, e.g. `app.restart.max_restarts`.
         field: String,
         /// What is wrong.
@@ -366,13 +365,22 @@ impl Config {
             path: path.to_owned(),
             source,
         })?;
-        let cfg = Config::parse(&text, &path.display().to_string())?;
+        let cfg = Config::parse(&text)?;
         cfg.validate()?;
         Ok(cfg)
     }
 
-    /// Parses JSON text; `origin` names it in errors. Does not validate.
-    pub fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
+    /// [`Config::load`], with the file named in the error message (for the console and
+    /// `check-config`).
+    pub fn load_described(path: &Path) -> Result<Config, String> {
+        Config::load(path).map_err(|e| match e {
+            ConfigError::Read { .. } => e.to_string(),
+            _ => format!("configuration {}: {e}", path.display()),
+        })
+    }
+
+    /// Parses JSON text. Does not validate.
+    pub fn parse(text: &str) -> Result<Config, ConfigError> {
         let de = &mut serde_json::Deserializer::from_str(text);
         serde_path_to_error::deserialize(de).map_err(|e| {
             let inner = e.inner();
@@ -398,7 +406,6 @@ impl Config {
                 field = "(top level)".into();
             }
             ConfigError::Parse {
-                path: origin.to_owned(),
                 field,
                 message,
                 line,
@@ -649,7 +656,7 @@ mod tests {
 
     #[test]
     fn minimal_config_gets_defaults() {
-        let c = Config::parse(MINIMAL, "t").unwrap();
+        let c = Config::parse(MINIMAL).unwrap();
         c.validate().unwrap();
         assert_eq!(c.shutdown.grace_period_ms, 5000);
         assert_eq!(c.shutdown.action, ShutdownAction::Poweroff);

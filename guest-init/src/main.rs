@@ -67,7 +67,7 @@ fn main() -> ExitCode {
             println!("{USAGE}");
             ExitCode::SUCCESS
         }
-        Ok(Cmd::CheckConfig(path)) => match Config::load(&path) {
+        Ok(Cmd::CheckConfig(path)) => match Config::load_described(&path) {
             Ok(_) => {
                 println!("{}: ok", path.display());
                 ExitCode::SUCCESS
@@ -100,7 +100,7 @@ fn run(flag: Option<PathBuf>, pid1: bool, started: Instant) -> ExitCode {
         panic::fatal(format_args!("cannot become a child subreaper: {e}"));
     }
     let path = config::choose_path(flag.as_deref(), pid1);
-    let cfg = match Config::load(&path) {
+    let cfg = match Config::load_described(&path) {
         Ok(c) => c,
         Err(e) => panic::fatal(e),
     };
