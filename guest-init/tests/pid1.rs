@@ -255,7 +255,8 @@ fn a_malformed_configuration_ends_in_the_orderly_poweroff() {
     );
     let (st, console) = Running::pid1(&cfg).wait();
     assert!(
-        console.contains("error: fatal: app.user: unknown user \"no-such-user-xyz\""),
+        console.contains("error: fatal: configuration ")
+            && console.contains("guest-init.json: app.user: unknown user \"no-such-user-xyz\""),
         "{console}"
     );
     assert_powered_off(st, &console);
