@@ -264,14 +264,6 @@ fn memory_store() -> Result<&'static memory_store::MemoryKeyStore, EnrollError> 
 /// Runs one enrollment with `cfg`: reads the material, runs the state machine.
 pub async fn run(cfg: &EnrollConfig) -> Result<Outcome, EnrollError> {
     validate(cfg).map_err(EnrollError::Config)?;
-    let file_store;
-    let store: &dyn KeyStore = match cfg.key_store {
-        KeyStoreKind::File => {
-            file_store = file_store::FileKeyStore::open_dir(&cfg.state_dir)?;
-            &file_store
-        }
-        KeyStoreKind::Memory => memory_store()?,
-    };
     let material = match &cfg.bootstrap {
         BootstrapSource::File(p) => material::read_file(p)?,
         BootstrapSource::Push { listen } => {
@@ -285,6 +277,16 @@ pub async fn run(cfg: &EnrollConfig) -> Result<Outcome, EnrollError> {
                     })?,
             )
         }
+    };
+    // The store (and the state directory) only once the material is known to be good:
+    // bad input writes nothing.
+    let file_store;
+    let store: &dyn KeyStore = match cfg.key_store {
+        KeyStoreKind::File => {
+            file_store = file_store::FileKeyStore::open_dir(&cfg.state_dir)?;
+            &file_store
+        }
+        KeyStoreKind::Memory => memory_store()?,
     };
     let enroller = state::Enroller {
         state_dir: cfg.state_dir.clone(),
@@ -329,6 +331,19 @@ pub fn load_config(path: &Path) -> Result<EnrollConfig, EnrollError> {
             material::redact(&e.to_string())
         ))
     })?;
+    // `guest-init enroll` has no other configuration pass: honour the file's `log_level`.
+    if let Some(level) = value.get("log_level").and_then(|l| l.as_str()) {
+        let level = match level {
+            "error" => Some(crate::log::Level::Error),
+            "warn" => Some(crate::log::Level::Warn),
+            "info" => Some(crate::log::Level::Info),
+            "debug" => Some(crate::log::Level::Debug),
+            _ => None,
+        };
+        if let Some(l) = level {
+            crate::log::set_max_level(l);
+        }
+    }
     let section = match value {
         serde_json::Value::Object(mut m) if m.contains_key("enrollment") => {
             m.remove("enrollment").unwrap_or_default()

@@ -1,0 +1,136 @@
+//! Bad bootstrap material through the real `guest-init enroll`: each case exits with the
+//! configuration/material code (2), says what is wrong (naming the field or the limit),
+//! never prints the token, and writes nothing (no state directory, no published
+//! certificate). No enrollment service is needed: nothing may get that far.
+
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+use std::process::Command;
+
+const TOKEN: &str = "tok_BADINPUT_SECRET_abcdefghijklmnopqrstuvwxyz";
+
+fn good() -> serde_json::Value {
+    serde_json::json!({
+        "version": 1,
+        "workspace_namespace": "team-a",
+        "workspace_name": "ws1",
+        "workspace_uid": "u-1",
+        "vm_uid": "vm-1",
+        "revocation_epoch": 0,
+        "token": TOKEN,
+        "expires_at": 4000000000u64,
+        "enrollment_port": 5002,
+    })
+}
+
+fn run(material: &[u8], mode: u32) -> (i32, String, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let boot = dir.path().join("bootstrap.json");
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(&boot)
+        .unwrap();
+    f.write_all(material).unwrap();
+    drop(f);
+    std::fs::set_permissions(&boot, std::os::unix::fs::PermissionsExt::from_mode(mode)).unwrap();
+    let cfg = dir.path().join("guest.json");
+    std::fs::write(
+        &cfg,
+        serde_json::json!({
+            "log_level": "debug",
+            "enrollment": {
+                "bootstrap": {"file": boot},
+                "state_dir": dir.path().join("state"),
+                "publish_dir": dir.path().join("identity"),
+                "service": {"unix": dir.path().join("nobody-listens.sock")},
+                "retry": {"initial_ms": 1, "max_ms": 2, "max_attempts": 1},
+            }
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_guest-init"))
+        .args(["enroll", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code().unwrap_or(-1), text, dir)
+}
+
+fn assert_refused(material: &[u8], mode: u32, expect: &[&str]) {
+    let (code, out, dir) = run(material, mode);
+    assert_eq!(code, 2, "{out}");
+    for e in expect {
+        assert!(out.contains(e), "expected {e:?} in: {out}");
+    }
+    assert!(!out.contains(TOKEN), "the token leaked: {out}");
+    assert!(
+        !Path::new(&dir.path().join("state")).exists(),
+        "state written"
+    );
+    assert!(
+        !Path::new(&dir.path().join("identity")).exists(),
+        "publish dir written"
+    );
+}
+
+#[test]
+fn malformed_json_is_refused_and_nothing_is_written() {
+    let s = good().to_string();
+    assert_refused(
+        &s.as_bytes()[..s.len() - 10],
+        0o600,
+        &["bootstrap material", "line 1"],
+    );
+    assert_refused(b"not json at all", 0o600, &["bootstrap material"]);
+}
+
+#[test]
+fn oversized_material_is_refused_and_nothing_is_written() {
+    let mut v = good();
+    v["workspace_name"] = "a".repeat(5000).into();
+    assert_refused(v.to_string().as_bytes(), 0o600, &["larger than 4096 bytes"]);
+}
+
+#[test]
+fn unknown_fields_are_refused_and_nothing_is_written() {
+    let mut v = good();
+    v["revocation_epoc"] = 3.into();
+    assert_refused(v.to_string().as_bytes(), 0o600, &["unknown field"]);
+}
+
+#[test]
+fn bad_values_name_the_field_and_never_echo_the_token() {
+    let mut v = good();
+    v["vm_uid"] = TOKEN.replace('_', ":").into();
+    assert_refused(v.to_string().as_bytes(), 0o600, &["vm_uid"]);
+    let mut v = good();
+    v["revocation_epoch"] = serde_json::Value::String(TOKEN.into());
+    assert_refused(v.to_string().as_bytes(), 0o600, &["invalid type"]);
+    let mut v = good();
+    v["revocation_epoch"] = (-1).into();
+    assert_refused(v.to_string().as_bytes(), 0o600, &["bootstrap material"]);
+}
+
+#[test]
+fn a_readable_bootstrap_file_is_refused() {
+    assert_refused(good().to_string().as_bytes(), 0o644, &["must be 0600"]);
+}
+
+#[test]
+fn good_material_gets_past_validation() {
+    // The control for the cases above: the same document, well formed, reaches the
+    // exchange (and fails there as unavailable, exit 4, with the state written).
+    let (code, out, dir) = run(good().to_string().as_bytes(), 0o600);
+    assert_eq!(code, 4, "{out}");
+    assert!(dir.path().join("state/pending.json").exists());
+    assert!(!out.contains(TOKEN));
+}
