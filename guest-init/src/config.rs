@@ -470,18 +470,14 @@ impl Config {
                 .map_err(|r| ConfigError::invalid("network.address", r))?;
         }
         self.validate_app()?;
-        for (i, s) in self.services.iter().enumerate() {
-            if !s.listen.is_absolute() {
-                return Err(ConfigError::invalid(
-                    format!("services[{i}].listen"),
-                    format!(
-                        "relative path {:?}; use an absolute path (the app's own socket path)",
-                        s.listen.display().to_string()
-                    ),
-                ));
-            }
-        }
         crate::forward::validate(&self.services, &self.exports).map_err(|e| match e {
+            crate::forward::ForwardError::Invalid { field, reason } => {
+                ConfigError::Invalid { field, reason }
+            }
+            other => ConfigError::invalid("services", other.to_string()),
+        })?;
+        // Socket owners and groups must exist in this image, like the app's user.
+        crate::forward::check_ids(&self.services).map_err(|e| match e {
             crate::forward::ForwardError::Invalid { field, reason } => {
                 ConfigError::Invalid { field, reason }
             }
