@@ -234,3 +234,20 @@ fn hup_usr1_usr2_are_forwarded_to_the_app() {
         "guest-init must survive the forwarded signals: {console}"
     );
 }
+
+#[test]
+fn an_app_that_cannot_start_is_a_fatal_error_naming_it() {
+    let dir = scratch();
+    let cfg = write_config(
+        dir.path(),
+        &json!({"version": 1, "app": {"command": ["/nonexistent/app", "--flag"], "user": 0}}),
+    );
+    let (st, console) = Running::ordinary(&cfg).wait();
+    assert_eq!(st.code(), Some(1), "{console}");
+    assert!(
+        console.contains("error: fatal: app: cannot start \"/nonexistent/app\""),
+        "{console}"
+    );
+    assert!(console.contains("shutdown: fatal error"), "{console}");
+    assert!(!console.contains("ready in"), "{console}");
+}
