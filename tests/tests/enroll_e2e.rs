@@ -59,6 +59,8 @@ struct Env {
     tokens: Vec<String>,
     /// Every key file seen (DER), for the secrets scan.
     keys: Vec<Vec<u8>>,
+    /// The key store the guest uses (`file` or `memory`).
+    key_store: &'static str,
 }
 
 impl Env {
@@ -107,6 +109,7 @@ impl Env {
             output: Vec::new(),
             tokens: Vec::new(),
             keys: Vec::new(),
+            key_store: "file",
         };
         let deadline = Instant::now() + Duration::from_secs(30);
         while !env.guest_sock.exists() {
@@ -147,6 +150,7 @@ impl Env {
                     "log_level": "debug",
                     "enrollment": {
                         "bootstrap": {"file": self.path("bootstrap.json")},
+                        "key_store": self.key_store,
                         "state_dir": self.state(),
                         "publish_dir": self.publish(),
                         "service": {"unix": self.guest_sock},
@@ -626,5 +630,38 @@ fn key_is_private_and_the_app_user_cannot_read_it() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(String::from_utf8_lossy(&out.stdout).contains("BEGIN CERTIFICATE"));
+    env.assert_no_secrets();
+}
+
+#[test]
+fn memory_store_keeps_the_key_off_disk_and_needs_fresh_material_per_boot() {
+    let mut env = Env::new(&[VM], VM);
+    env.key_store = "memory";
+    let id = identity(VM, 4);
+    env.provision(&id);
+    let (code, out) = env.run_guest();
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("key store memory"), "{out}");
+    assert!(
+        env.files_with(".key").is_empty(),
+        "a memory-store key reached the disk"
+    );
+    let first = env.published();
+    assert_eq!(cert_uris(&first), vec![id.uri()]);
+
+    // A new process is a reboot: the key is gone. The same token cannot enroll a second
+    // key (the service commits one CSR per token), and the guest says so.
+    let (code, out) = env.run_guest();
+    assert_eq!(code, 3, "{out}");
+    assert!(out.contains("no longer holds the enrolled key"), "{out}");
+    assert!(out.contains("csr_mismatch"), "{out}");
+
+    // Fresh material for the boot: enrolls with a new key.
+    env.provision(&id);
+    let (code, out) = env.run_guest();
+    assert_eq!(code, 0, "{out}");
+    let second = env.published();
+    assert_ne!(cert_key(&second), cert_key(&first));
+    assert!(env.files_with(".key").is_empty());
     env.assert_no_secrets();
 }

@@ -322,6 +322,18 @@ pub async fn receive_push(listen: &Endpoint, read_timeout: Duration) -> io::Resu
             Err(why) => {
                 crate::warn!("enroll: {why}");
                 let _ = conn.write_all(format!("error {why}\n").as_bytes()).await;
+                // Let the pusher read the answer: closing with unread input would reset
+                // the connection and discard it. Bounded, so a flood cannot hold us.
+                let _ = conn.shutdown_write();
+                let mut sink = [0u8; 4096];
+                let _ = tokio::time::timeout(Duration::from_secs(1), async {
+                    for _ in 0..16 {
+                        if !matches!(conn.read(&mut sink).await, Ok(n) if n > 0) {
+                            break;
+                        }
+                    }
+                })
+                .await;
             }
         }
     };

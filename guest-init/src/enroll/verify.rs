@@ -87,3 +87,117 @@ pub fn to_pem(der: &[u8]) -> String {
     s.push_str("-----END CERTIFICATE-----\n");
     s
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::enroll::keystore::{MachineKey, P256Key, RcgenSigner};
+
+    fn id(epoch: u64) -> Identity {
+        Identity {
+            workspace_namespace: "ns".into(),
+            workspace_name: "ws".into(),
+            workspace_uid: "wu".into(),
+            vm_uid: "vm".into(),
+            epoch,
+        }
+    }
+
+    /// A certificate for `key` (self-signed through the external signer: the guest checks
+    /// key, validity, identity and CA flag, not the issuer).
+    fn cert(key: &P256Key, uris: &[String], from: i64, to: i64, ca: bool) -> Vec<u8> {
+        let mut p = rcgen::CertificateParams::default();
+        p.serial_number = Some(vec![1, 2, 3].into());
+        p.subject_alt_names = uris
+            .iter()
+            .map(|u| rcgen::SanType::URI(u.clone().try_into().unwrap()))
+            .collect();
+        let now = SystemTime::now();
+        let at = |d: i64| {
+            if d >= 0 {
+                now + Duration::from_secs(d as u64)
+            } else {
+                now - Duration::from_secs((-d) as u64)
+            }
+        };
+        p.not_before = at(from).into();
+        p.not_after = at(to).into();
+        if ca {
+            p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        }
+        p.self_signed(&RcgenSigner(key)).unwrap().der().to_vec()
+    }
+
+    #[test]
+    fn a_matching_certificate_passes_and_each_broken_property_fails() {
+        let key = P256Key::generate("test").unwrap();
+        let other = P256Key::generate("test").unwrap();
+        let me = id(7);
+        let now = SystemTime::now();
+        let good = cert(&key, &[me.uri()], -60, 3600, false);
+        verify(&good, key.public_sec1(), &me, now).unwrap();
+
+        let cases: Vec<(Vec<u8>, &[u8], Identity, &str)> = vec![
+            (
+                good.clone(),
+                other.public_sec1(),
+                me.clone(),
+                "another public key",
+            ),
+            (good.clone(), key.public_sec1(), id(8), "identity mismatch"),
+            (
+                cert(&key, &[me.uri()], -7200, -60, false),
+                key.public_sec1(),
+                me.clone(),
+                "expired",
+            ),
+            (
+                cert(&key, &[me.uri()], 3600, 7200, false),
+                key.public_sec1(),
+                me.clone(),
+                "not valid yet",
+            ),
+            (
+                cert(&key, &[me.uri(), id(9).uri()], -60, 3600, false),
+                key.public_sec1(),
+                me.clone(),
+                "identity mismatch",
+            ),
+            (
+                cert(&key, &[], -60, 3600, false),
+                key.public_sec1(),
+                me.clone(),
+                "identity mismatch",
+            ),
+            (
+                cert(&key, &[me.uri()], -60, 3600, true),
+                key.public_sec1(),
+                me.clone(),
+                "CA",
+            ),
+            (
+                [good.clone(), vec![0]].concat(),
+                key.public_sec1(),
+                me.clone(),
+                "follow",
+            ),
+            (
+                good[..good.len() - 5].to_vec(),
+                key.public_sec1(),
+                me.clone(),
+                "not a DER",
+            ),
+        ];
+        for (der, public, ident, want) in cases {
+            let e = verify(&der, public, &ident, now).unwrap_err();
+            assert!(e.contains(want), "{want}: {e}");
+        }
+    }
+
+    #[test]
+    fn pem_wraps_at_64_columns() {
+        let pem = to_pem(&[7u8; 100]);
+        assert!(pem.starts_with("-----BEGIN CERTIFICATE-----\n"));
+        assert!(pem.lines().all(|l| l.len() <= 64));
+    }
+}
