@@ -58,11 +58,15 @@ fn build() -> Result<Binaries, String> {
             Ok(())
         } else {
             let err = String::from_utf8_lossy(&out.stderr);
-            let tail: Vec<&str> = err.lines().rev().take(6).collect();
+            let first: Vec<&str> = err
+                .lines()
+                .filter(|l| l.starts_with("error"))
+                .take(3)
+                .collect();
             Err(format!(
                 "cargo {} failed: {}",
                 args.join(" "),
-                tail.into_iter().rev().collect::<Vec<_>>().join(" / ")
+                first.join(" / ")
             ))
         }
     };
