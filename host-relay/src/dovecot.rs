@@ -296,7 +296,8 @@ impl<'p> GuestFilter<'p> {
     }
 
     /// Takes one chunk read from the guest and appends to `out` every line it completes,
-    /// filtered. On error the connection must be closed; `out` is then not to be sent.
+    /// filtered. On error the connection must be closed: `out` then holds the lines
+    /// completed before the bad one (safe to send), and nothing of the bad line.
     pub fn feed(&mut self, input: &[u8], out: &mut Vec<u8>) -> Result<(), FilterError> {
         let mut rest = input;
         while let Some(pos) = rest.iter().position(|&b| b == b'\n') {

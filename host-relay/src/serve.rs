@@ -204,12 +204,14 @@ pub async fn dovecot_session(
         let mut filter = GuestFilter::new(policy);
         // Ends at end of stream (an unfinished line is never sent) or a read error.
         while let Ok(Some(chunk)) = guest.read_pooled().await {
+            // Lines completed before a bad one are passed on; nothing of the bad one is.
             let mut out = Vec::new();
-            filter.feed(&chunk, &mut out)?;
+            let fed = filter.feed(&chunk, &mut out);
             drop(chunk);
             if !out.is_empty() && service.write_all(&out).await.is_err() {
                 break;
             }
+            fed?;
         }
         let _ = service.shutdown_write();
         Ok(())
