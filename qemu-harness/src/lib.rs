@@ -17,6 +17,7 @@ pub mod hybrid;
 pub mod kernel;
 pub mod process;
 pub mod qemu;
+pub mod radicale_rootfs;
 pub mod vm;
 
 use std::path::Path;
