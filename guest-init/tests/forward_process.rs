@@ -36,9 +36,10 @@ fn child_forwarder() {
         .unwrap();
     rt.block_on(async {
         let _fwd = forward::start(&services, &[]).await.unwrap();
+        // Let the accept loops take their first step (each reserves a descriptor), so the
+        // parent counts a settled process.
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         if let Some(spare) = spare_fds {
-            // Let the accept loop take its first step (it reserves a descriptor) first.
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
             // New descriptors take the lowest free number below the limit: pick the limit
             // that leaves exactly `spare` free numbers. (`read_dir` lists its own
             // descriptor too, which is closed again afterwards: a free number.)
@@ -276,4 +277,60 @@ fn the_accept_loop_survives_running_out_of_descriptors() {
     drop(third);
     let mut fourth = connect(&app);
     echo_once(&mut fourth, b"fourth");
+}
+
+fn fd_count(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count()
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+#[test]
+fn an_idle_connection_costs_two_descriptors() {
+    forward::raise_fd_limit().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (app, host) = paths(dir.path());
+    // The target accepts and holds every connection without reading.
+    let l = UnixListener::bind(&host).unwrap();
+    let (tx, accepted) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for c in l.incoming() {
+            held.push(c.unwrap());
+            let _ = tx.send(held.len());
+        }
+    });
+    let child = ChildForwarder::start(&[service("cost", &app, unix(&host))], None);
+    let pid = child.child.id();
+    let (fds_before, rss_before) = (fd_count(pid), rss_kib(pid));
+    const N: usize = 500;
+    let mut clients = Vec::new();
+    for _ in 0..N {
+        clients.push(connect(&app));
+    }
+    for _ in 0..N {
+        accepted.recv_timeout(HANG).expect("target accepts");
+    }
+    // Every connection is now relayed: accepted and dialled. The relay holds the caller's
+    // socket and the target's, nothing else (no pipe pairs, no timers with descriptors).
+    let fds_after = fd_count(pid);
+    assert_eq!(fds_after - fds_before, 2 * N, "descriptors per connection");
+    let rss_after = rss_kib(pid);
+    println!(
+        "MEASURED: {N} idle relayed connections: +{} descriptors, RSS {} KiB -> {} KiB ({:.1} KiB per connection)",
+        fds_after - fds_before,
+        rss_before,
+        rss_after,
+        (rss_after.saturating_sub(rss_before)) as f64 / N as f64
+    );
+    drop(clients);
 }
