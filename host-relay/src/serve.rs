@@ -229,3 +229,55 @@ pub async fn dovecot_session(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exhaustion_backs_off_and_grows_to_a_cap() {
+        let emfile = io::Error::from_raw_os_error(libc::EMFILE);
+        let first = accept_backoff(&emfile, Duration::ZERO);
+        assert_eq!(first, Duration::from_millis(10));
+        assert_eq!(accept_backoff(&emfile, first), Duration::from_millis(20));
+        assert_eq!(
+            accept_backoff(&emfile, Duration::from_secs(5)),
+            Duration::from_secs(1)
+        );
+        let aborted = io::Error::from_raw_os_error(libc::ECONNABORTED);
+        assert_eq!(
+            accept_backoff(&aborted, Duration::from_secs(1)),
+            Duration::ZERO
+        );
+    }
+
+    #[test]
+    fn instances_follow_the_config() {
+        let c = Config::parse(
+            &serde_json::json!({
+                "app": "a",
+                "vm": {"id": "v", "cid": 9, "gateways": ["10.0.2.2"]},
+                "mode": "cid",
+                "services": [{"name": "auth", "port": 5001, "kind": "dovecot-auth",
+                              "upstream": {"unix": "/run/auth-a"},
+                              "dovecot": {"client_address": "100.64.0.3"}}],
+                "undeclared": [{"name": "agent", "port": 5003}]
+            })
+            .to_string(),
+        )
+        .unwrap();
+        let i = instance(&c, Some(0), "auth");
+        assert_eq!(i.gate.transport, Transport::Cid { registered: 9 });
+        assert!(i.gate.declared);
+        assert_eq!(i.upstream, Some(Endpoint::Unix("/run/auth-a".into())));
+        let f = i.filter.unwrap();
+        assert_eq!(f.rip, RipRule::Substitute("100.64.0.3".parse().unwrap()));
+        assert_eq!(
+            f.gateways,
+            vec!["10.0.2.2".parse::<std::net::IpAddr>().unwrap()]
+        );
+        let u = instance(&c, None, "agent");
+        assert!(!u.gate.declared);
+        assert!(u.upstream.is_none() && u.filter.is_none());
+    }
+}
