@@ -39,15 +39,28 @@ fn index(k: Kind) -> usize {
 
 /// Starts the three paths in front of `service`; a path that cannot start is `None` and
 /// explained in `notes`.
-fn routes(dir: &Path, service: &Path, tag: &str, notes: &mut Vec<String>) -> [Option<Route>; 3] {
-    let chain = match super::chain::start(dir, tag, service) {
-        Ok(r) => Some(r),
-        Err(e) => {
+fn routes(
+    dir: &Path,
+    service: &Path,
+    tag: &str,
+    s: &Settings,
+    notes: &mut Vec<String>,
+) -> [Option<Route>; 3] {
+    let direct = s.wants(Kind::Direct).then(|| paths::direct(service));
+    let chain = match s
+        .wants(Kind::Chain)
+        .then(|| super::chain::start(dir, tag, service))
+    {
+        None => None,
+        Some(Ok(r)) => Some(r),
+        Some(Err(e)) => {
             notes.push(format!("{tag}: chain path not measured: {e}"));
             None
         }
     };
-    let socat = if e2e::util::have_program("socat") {
+    let socat = if !s.wants(Kind::Socat) {
+        None
+    } else if e2e::util::have_program("socat") {
         match paths::socat(dir, service, tag) {
             Ok(r) => Some(r),
             Err(e) => {
@@ -61,7 +74,7 @@ fn routes(dir: &Path, service: &Path, tag: &str, notes: &mut Vec<String>) -> [Op
         ));
         None
     };
-    [Some(paths::direct(service)), chain, socat]
+    [direct, chain, socat]
 }
 
 /// The order of the paths in round `round`.
@@ -78,7 +91,7 @@ fn note_once(notes: &mut Vec<String>, msg: String) {
 /// Figures 1-4.
 pub fn sockets(dir: &Path, s: &Settings, notes: &mut Vec<String>) -> anyhow::Result<Vec<Row>> {
     let echo = EchoServer::start(&dir.join("echo.sock"))?;
-    let routes = routes(dir, echo.path(), "echo", notes);
+    let routes = routes(dir, echo.path(), "echo", s, notes);
     let (mut rtt50, mut rtt99, mut bulk) =
         (Series::default(), Series::default(), Series::default());
     let (mut cps, mut set50, mut set99) = (Series::default(), Series::default(), Series::default());
@@ -273,7 +286,7 @@ pub fn sign_in(dir: &Path, s: &Settings, notes: &mut Vec<String>) -> Vec<Row> {
         Ok(d) => d,
         Err(e) => return empty(notes, format!("Dovecot did not start: {e}")),
     };
-    let routes = routes(dir, dovecot.socket(), "auth", notes);
+    let routes = routes(dir, dovecot.socket(), "auth", s, notes);
     let (mut p50, mut p99) = (Series::default(), Series::default());
     for round in 0..s.rounds {
         eprintln!("bench: figure 5, round {} of {}", round + 1, s.rounds);

@@ -67,6 +67,8 @@ pub struct Settings {
     pub starts: usize,
     /// Key + CSR repetitions (figure 8).
     pub keygens: usize,
+    /// The paths to measure (`--paths`); all by default.
+    pub paths: Vec<String>,
 }
 
 impl Settings {
@@ -79,6 +81,7 @@ impl Settings {
             sign_ins: 200,
             starts: 20,
             keygens: 100,
+            paths: all_paths(),
         }
     }
 
@@ -91,6 +94,7 @@ impl Settings {
             sign_ins: 50,
             starts: 5,
             keygens: 20,
+            paths: all_paths(),
         }
     }
 
@@ -104,7 +108,13 @@ impl Settings {
             sign_ins: 3,
             starts: 2,
             keygens: 3,
+            paths: all_paths(),
         }
+    }
+
+    /// Whether a path is selected.
+    pub fn wants(&self, kind: paths::Kind) -> bool {
+        self.paths.iter().any(|p| p == kind.name())
     }
 
     /// The duration of one timed workload.
@@ -113,18 +123,27 @@ impl Settings {
     }
 }
 
-const USAGE: &str = "usage: bench [--json FILE] [--quick | --smoke] [--rounds N] [--burst N]
+fn all_paths() -> Vec<String> {
+    paths::Kind::ALL
+        .iter()
+        .map(|k| k.name().to_string())
+        .collect()
+}
+
+const USAGE: &str =
+    "usage: bench [--json FILE] [--quick | --smoke] [--rounds N] [--burst N] [--paths LIST]
   --json FILE   also write the table as JSON to FILE
   --quick       fewer and shorter rounds (about a minute)
   --smoke       a tiny run that exercises every figure (CI)
   --rounds N    interleaved rounds per figure (default 5)
-  --burst N     connections in the burst of figure 4 (default 5000)";
+  --burst N     connections in the burst of figure 4 (default 5000)
+  --paths LIST  comma-separated subset of direct,chain,socat (e.g. to profile one)";
 
 fn parse_args() -> anyhow::Result<(Settings, Option<PathBuf>)> {
     let mut args = std::env::args().skip(1);
     let mut settings = Settings::full();
     let mut json = None;
-    let (mut rounds, mut burst) = (None, None);
+    let (mut rounds, mut burst, mut only) = (None, None, None);
     while let Some(a) = args.next() {
         let mut value = |name: &str| {
             args.next()
@@ -142,6 +161,16 @@ fn parse_args() -> anyhow::Result<(Settings, Option<PathBuf>)> {
                 let v = value("--burst")?;
                 burst = Some(positive("--burst", &v)?);
             }
+            "--paths" => {
+                let v = value("--paths")?;
+                let list: Vec<String> = v.split(',').map(str::to_string).collect();
+                for p in &list {
+                    if !all_paths().contains(p) {
+                        bail!("--paths: unknown path {p:?}; choose from direct,chain,socat");
+                    }
+                }
+                only = Some(list);
+            }
             "-h" | "--help" => {
                 println!("{USAGE}");
                 std::process::exit(0);
@@ -154,6 +183,9 @@ fn parse_args() -> anyhow::Result<(Settings, Option<PathBuf>)> {
     }
     if let Some(b) = burst {
         settings.burst = b;
+    }
+    if let Some(p) = only {
+        settings.paths = p;
     }
     Ok((settings, json))
 }
