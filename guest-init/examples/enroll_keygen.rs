@@ -1,0 +1,57 @@
+//! Measures key generation + CSR, the guest-side cost of enrolling (the exchange aside).
+//!
+//! `cargo run --release -p guest-init --example enroll_keygen [N]` prints the median and
+//! the 90th percentile over N runs (default 100) of:
+//! - `memory`: a P-256 key from the OS RNG into the memory store, and the signed CSR;
+//! - `file`: the same with the file store (PKCS#8 written 0600, fsync, rename, fsync dir)
+//!   in a temporary directory, plus the CSR.
+//!
+//! A benchmark, not a test: it asserts nothing about time.
+
+use std::time::{Duration, Instant};
+
+use guest_init::enroll::file_store::FileKeyStore;
+use guest_init::enroll::identity::Identity;
+use guest_init::enroll::keystore::KeyStore;
+use guest_init::enroll::memory_store::MemoryKeyStore;
+
+fn stats(mut v: Vec<Duration>) -> (Duration, Duration) {
+    v.sort();
+    (v[v.len() / 2], v[v.len() * 9 / 10])
+}
+
+fn measure(store: &dyn KeyStore, id: &Identity, n: usize) -> Vec<Duration> {
+    (0..n)
+        .map(|_| {
+            let t = Instant::now();
+            let (slot, key) = store.generate().expect("generate");
+            let csr = guest_init::enroll::csr::build(key.as_ref(), id).expect("csr");
+            let d = t.elapsed();
+            assert!(!csr.is_empty());
+            store.remove(&slot).expect("remove");
+            d
+        })
+        .collect()
+}
+
+fn main() {
+    let n: usize = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(100);
+    let id = Identity {
+        workspace_namespace: "team-a".into(),
+        workspace_name: "ws1".into(),
+        workspace_uid: "0b4c5e2a-1111-2222-3333-444455556666".into(),
+        vm_uid: "vm-1".into(),
+        epoch: u64::MAX,
+    };
+    let mem = MemoryKeyStore::new().expect("memory store");
+    let (m50, m90) = stats(measure(&mem, &id, n));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = FileKeyStore::open_dir(&dir.path().join("keys")).expect("file store");
+    let (f50, f90) = stats(measure(&file, &id, n));
+    println!("key generation + CSR, {n} runs:");
+    println!("  memory store: median {m50:?}, p90 {m90:?}");
+    println!("  file store:   median {f50:?}, p90 {f90:?} (includes two fsyncs)");
+}
