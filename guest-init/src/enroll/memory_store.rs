@@ -286,4 +286,20 @@ mod tests {
         // A fresh store (a reboot) has nothing.
         assert!(MemoryKeyStore::new().unwrap().slots().unwrap().is_empty());
     }
+
+    #[test]
+    fn the_mlock_fallback_holds_data_and_is_locked() {
+        let mut page = SecretPage::mlocked(4096).unwrap();
+        page.as_mut_slice()[..3].copy_from_slice(b"abc");
+        assert_eq!(&page.as_slice()[..3], b"abc");
+        assert_eq!(page.protection, Protection::Mlock);
+        // The mapping shows as locked in this process's status.
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let locked: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmLck:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap();
+        assert!(locked >= 4, "VmLck {locked} kB");
+    }
 }
