@@ -62,7 +62,17 @@ fn main() -> ExitCode {
     let started = Instant::now();
     let pid1 = std::process::id() == 1;
     let args: Vec<String> = std::env::args().skip(1).collect();
-    match parse_args(&args, pid1) {
+    let cmd = match parse_args(&args, pid1) {
+        // PID 1 must never return from main (the kernel would panic): as PID 1 every form
+        // but `--config PATH` is ignored and the VM boots with its default configuration.
+        Ok(Cmd::Run { config }) => Ok(Cmd::Run { config }),
+        _ if pid1 => {
+            warn!("ignoring arguments {args:?}: as PID 1 only --config PATH is accepted");
+            Ok(Cmd::Run { config: None })
+        }
+        other => other,
+    };
+    match cmd {
         Ok(Cmd::Help) => {
             println!("{USAGE}");
             ExitCode::SUCCESS
@@ -82,11 +92,10 @@ fn main() -> ExitCode {
             ExitCode::from(u8::try_from(code).unwrap_or(1))
         }
         Ok(Cmd::Run { config }) => run(config, pid1, started),
-        Err(e) if !pid1 => {
+        Err(e) => {
             eprintln!("guest-init: {e}\n{USAGE}");
             ExitCode::from(2)
         }
-        Err(e) => panic::fatal(e),
     }
 }
 

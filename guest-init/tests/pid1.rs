@@ -351,3 +351,26 @@ fn hostname_loopback_and_static_network_are_set_up() {
     );
     assert_powered_off(st, &console);
 }
+
+#[test]
+fn as_pid1_stray_arguments_never_end_init() {
+    if !require_namespaces() {
+        return;
+    }
+    // `--help` would print and return from main in an ordinary process; as PID 1 that
+    // would panic the kernel. Here it is ignored, the default configuration is missing on
+    // this host, and that fatal error ends in the orderly power-off.
+    if !require(
+        !std::path::Path::new(guest_init::config::DEFAULT_PATH).exists(),
+        "this test needs a host without /etc/guest-init.json",
+    ) {
+        return;
+    }
+    let (st, console) = Running::pid1_args(&["--help"]).wait();
+    assert!(console.contains("ignoring arguments"), "{console}");
+    assert!(
+        console.contains("error: fatal: cannot read configuration /etc/guest-init.json"),
+        "{console}"
+    );
+    assert_powered_off(st, &console);
+}

@@ -127,6 +127,22 @@ impl Running {
         Running::spawn(cmd, true)
     }
 
+    /// guest-init as PID 1 with arbitrary arguments (what a kernel command line may pass).
+    pub fn pid1_args(args: &[&str]) -> Running {
+        let mut cmd = Command::new("unshare");
+        cmd.args([
+            "--fork",
+            "--pid",
+            "--mount",
+            "--mount-proc",
+            "--uts",
+            "--net",
+        ])
+        .arg(bin())
+        .args(args);
+        Running::spawn(cmd, true)
+    }
+
     /// The console so far.
     pub fn console(&self) -> String {
         self.console.lock().unwrap().clone()
