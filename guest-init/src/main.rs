@@ -131,10 +131,7 @@ fn run(flag: Option<PathBuf>, pid1: bool, started: Instant) -> ExitCode {
         Ok(rt) => rt,
         Err(e) => panic::fatal(format_args!("cannot start the runtime: {e}")),
     };
-    let code = rt.block_on(async {
-        let reason = supervisor::run(&cfg, started).await;
-        supervisor::shut_down(reason).await
-    });
+    let code = rt.block_on(supervisor::run(&cfg, started));
     // Only reached in ordinary mode: as PID 1 the shutdown ends in reboot(2).
     ExitCode::from(u8::try_from(code).unwrap_or(1))
 }

@@ -151,26 +151,41 @@ fn backoff(cfg: &crate::config::RestartConfig, restart_no: u32) -> Duration {
     )
 }
 
-/// Runs the VM's life up to the moment it must end, and says why. `started` is when `main`
-/// began. The caller runs the shutdown (with [`shutdown::begin`] and friends).
-pub async fn run(cfg: &Config, started: Instant) -> Reason {
+/// What must stay alive until the shutdown is complete: the forwarders keep serving the
+/// app's in-flight requests during the grace period, and the control port keeps answering.
+#[derive(Default)]
+struct Keep {
+    _forwarders: Option<crate::forward::Forwarders>,
+    _control: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// Runs the VM's whole life: start-up, supervision and the orderly shutdown. `started` is
+/// when `main` began. As PID 1 it never returns; otherwise it returns the exit code.
+pub async fn run(cfg: &Config, started: Instant) -> i32 {
+    let mut keep = Keep::default();
+    let reason = live(cfg, started, &mut keep).await;
+    let code = shut_down(reason).await;
+    drop(keep);
+    code
+}
+
+/// Everything up to the moment the VM must end; says why.
+async fn live(cfg: &Config, started: Instant, keep: &mut Keep) -> Reason {
     let mut sigs = match Signals::install() {
         Ok(s) => s,
         Err(e) => return fatal(format_args!("cannot install signal handlers: {e}")),
     };
     let (stop_tx, mut stop_rx) = mpsc::unbounded_channel();
-    let _control = match &cfg.control {
-        Some(c) => match crate::control::start(&c.listen, stop_tx) {
-            Ok(h) => Some(h),
+    if let Some(c) = &cfg.control {
+        match crate::control::start(&c.listen, stop_tx) {
+            Ok(h) => keep._control = Some(h),
             Err(e) => return fatal(format_args!("control.listen: {e}")),
-        },
-        None => None,
-    };
-    // Keeps the listeners open (and their sockets on disk) until the VM ends.
-    let _forwarders = match crate::forward::start(&cfg.services, &cfg.exports).await {
-        Ok(f) => f,
+        }
+    }
+    match crate::forward::start(&cfg.services, &cfg.exports).await {
+        Ok(f) => keep._forwarders = Some(f),
         Err(e) => return fatal(e),
-    };
+    }
     if let Some(en) = &cfg.enrollment {
         if let Err(e) = crate::enroll::boot_step(en).await {
             return fatal(format_args!("enrollment: {e}"));
@@ -268,7 +283,7 @@ fn forward_signal(sig: Signal) {
 
 /// The shutdown with the runtime still running: the forwarders keep serving while the app
 /// finishes its work during the grace period. Returns the exit code (ordinary mode only).
-pub async fn shut_down(reason: Reason) -> i32 {
+async fn shut_down(reason: Reason) -> i32 {
     if !shutdown::begin(reason) {
         return shutdown::finish(false);
     }

@@ -251,3 +251,57 @@ fn an_app_that_cannot_start_is_a_fatal_error_naming_it() {
     assert!(console.contains("shutdown: fatal error"), "{console}");
     assert!(!console.contains("ready in"), "{console}");
 }
+
+/// During the grace period the app may still need its forwarded sockets (to finish a
+/// request, to flush a last message): the forwarders stay up until the shutdown is over.
+#[test]
+fn forwarded_sockets_keep_working_during_the_grace_period() {
+    let have_socat = std::process::Command::new("socat")
+        .arg("-V")
+        .stdout(std::process::Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if !require(
+        have_socat,
+        "socat is not installed (the app's socket client)",
+    ) {
+        return;
+    }
+    let dir = scratch();
+    let d = dir.path().display();
+    let target = dir.path().join("target.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&target).unwrap();
+    std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        for mut c in listener.incoming().map_while(Result::ok) {
+            let mut buf = [0u8; 64];
+            let n = c.read(&mut buf).unwrap_or(0);
+            let _ = c.write_all(b"reply to ");
+            let _ = c.write_all(&buf[..n]);
+        }
+    });
+    let script = write_script(
+        dir.path(),
+        "app.sh",
+        &format!(
+            "trap 'echo last-words | socat -t 5 - UNIX-CONNECT:{d}/app.sock > {d}/answer; exit 0' TERM\necho up > {d}/up\nwhile :; do sleep 0.05; done"
+        ),
+    );
+    let cfg = write_config(
+        dir.path(),
+        &json!({"version": 1,
+            "app": {"command": [script], "user": 0},
+            "services": [{"name": "svc", "listen": dir.path().join("app.sock"), "target": {"unix": target}}]}),
+    );
+    let run = Running::ordinary(&cfg);
+    wait_for_file(&dir.path().join("up"));
+    run.signal(Signal::SIGTERM);
+    let (st, console) = run.wait();
+    assert_eq!(st.code(), Some(0), "{console}");
+    assert_eq!(
+        read(&dir.path().join("answer")),
+        "reply to last-words",
+        "{console}"
+    );
+}
