@@ -8,4 +8,5 @@
 pub mod dovecot;
 pub mod enroll_service;
 pub mod radicale;
+pub mod radicale_vm;
 pub mod util;
