@@ -21,6 +21,10 @@
 //! `max_backoff_ms`, at most `max_restarts` times. Signals are still handled during the
 //! delay. An exit with status 0, or the last allowed failure, ends the app for good.
 //!
+//! **Lifetimes.** The forwarders and the control port stay up until the shutdown is over,
+//! not just until it begins: during the grace period the app may still need its forwarded
+//! sockets to finish a request or deliver its last words to the host.
+//!
 //! **Readiness.** `ready in <ms> ms (...)` is printed once the forwarders are listening
 //! (`forward::start` returned), the control port listens, enrollment is done and the app
 //! has been spawned; the time is measured from guest-init's first instruction in `main`.
