@@ -175,3 +175,63 @@ fn set_file_access(path: &Path, mode: u32, uid: Option<u32>, gid: Option<u32>) -
     }
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(dir: &Path, mode: &str) -> Config {
+        Config::parse(
+            &serde_json::json!({
+                "app": "a",
+                "vm": {"id": "v", "vsock_uds": dir.join("vm.vsock")},
+                "mode": "per_vm_socket",
+                "socket": {"mode": mode},
+                "services": [{"name": "s", "port": 5001, "upstream": {"unix": "/nonexistent"}}],
+                "undeclared": [{"name": "agent", "port": 5003}]
+            })
+            .to_string(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn binds_every_listener_with_its_mode_and_removes_them_on_drop() {
+        let dir = tempfile::tempdir().unwrap();
+        let bound = bind_all(&config(dir.path(), "0660")).unwrap();
+        let paths: Vec<PathBuf> = bound.files.paths().to_vec();
+        assert_eq!(
+            paths,
+            vec![
+                dir.path().join("vm.vsock_5001"),
+                dir.path().join("vm.vsock_5003")
+            ]
+        );
+        assert_eq!(bound.listeners[0].service, Some(0));
+        assert_eq!(bound.listeners[1].service, None);
+        for p in &paths {
+            let m = std::fs::metadata(p).unwrap();
+            assert!(m.file_type().is_socket());
+            assert_eq!(m.permissions().mode() & 0o777, 0o660);
+            // Listening already: a connect succeeds before any runtime exists.
+            std::os::unix::net::UnixStream::connect(p).unwrap();
+        }
+        drop(bound);
+        assert!(paths.iter().all(|p| !p.exists()));
+    }
+
+    #[test]
+    fn replaces_a_stale_socket_but_not_other_files() {
+        let dir = tempfile::tempdir().unwrap();
+        drop(std::os::unix::net::UnixListener::bind(dir.path().join("vm.vsock_5001")).unwrap());
+        let bound = bind_all(&config(dir.path(), "0600")).unwrap();
+        drop(bound);
+        std::fs::write(dir.path().join("vm.vsock_5003"), b"not a socket").unwrap();
+        let err = bind_all(&config(dir.path(), "0600")).unwrap_err();
+        assert_eq!(err.name, "agent");
+        assert!(err.reason.contains("not a socket"), "{err}");
+        // The first listener, created before the failure, was removed again.
+        assert!(!dir.path().join("vm.vsock_5001").exists());
+        assert!(dir.path().join("vm.vsock_5003").exists());
+    }
+}

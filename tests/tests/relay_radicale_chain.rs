@@ -9,7 +9,7 @@
 
 mod relay_support;
 
-use e2e::dovecot::{Dovecot, DovecotOptions};
+use e2e::dovecot::{AuthListener, Dovecot, DovecotOptions};
 use e2e::radicale::{propfind, Radicale, RadicaleOptions};
 use e2e::util::require;
 use relay_support::*;
@@ -21,7 +21,12 @@ async fn radicale_signs_in_through_forwarder_relay_and_dovecot() {
     {
         return;
     }
-    let dovecot = Dovecot::start(&DovecotOptions::default()).unwrap();
+    // Option (a): the app's own per-app auth listener in the real Dovecot.
+    let dovecot = Dovecot::start(&DovecotOptions {
+        listeners: vec![AuthListener::open("auth_app_radicale")],
+        ..DovecotOptions::default()
+    })
+    .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let uds = dir.path().join("vm.vsock");
     let relay = RelayProc::start(
@@ -30,7 +35,7 @@ async fn radicale_signs_in_through_forwarder_relay_and_dovecot() {
         &per_vm_config(
             "radicale",
             &uds,
-            &dovecot.auth_client(),
+            &dovecot.socket("auth_app_radicale"),
             serde_json::json!({"client_address": "100.64.0.7"}),
         ),
     );
