@@ -179,3 +179,39 @@ fn accept_survives_running_out_of_descriptors() {
     .unwrap();
     assert!(child.wait().unwrap().success());
 }
+
+#[test]
+fn connect_cli_speaks_hybrid_connect_and_keeps_the_guests_bytes() {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let uds = dir.path().join("vm.vsock");
+    let l = std::os::unix::net::UnixListener::bind(&uds).unwrap();
+    let vmm = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let mut line = Vec::new();
+        let mut b = [0u8; 1];
+        while s.read(&mut b).unwrap() == 1 && b[0] != b'\n' {
+            line.push(b[0]);
+        }
+        // The OK line and the guest's first bytes in one segment.
+        s.write_all(b"OK 1024\nok pong\n").unwrap();
+        let mut rest = String::new();
+        s.read_to_string(&mut rest).unwrap();
+        (String::from_utf8(line).unwrap(), rest)
+    });
+    let mut child = Command::new(host_bin("host-relay"))
+        .args(["connect", "--uds"])
+        .arg(&uds)
+        .args(["--port", "1024", "--timeout-ms", "5000"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"ping\n").unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "ok pong\n");
+    let (line, rest) = vmm.join().unwrap();
+    assert_eq!(line, "CONNECT 1024");
+    assert_eq!(rest, "ping\n");
+}
