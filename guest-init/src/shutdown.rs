@@ -5,14 +5,16 @@
 //!
 //! 1. `shutdown: <reason>` on the console.
 //! 2. SIGTERM to the app's process group first (the app gets to stop its own children in
-//!    its own order), then to every other process: `kill(-1)` as PID 1, which the kernel
-//!    delivers to every process but PID 1 itself; in ordinary mode the descendants found
-//!    through `/proc` (a test supervisor must never signal the host's other processes).
-//!    Grandchildren that left the app's process group (daemons, `setsid` children) get it
-//!    too: tini #180 and dumb-init #212 show what happens otherwise.
+//!    its own order), then to every other process: as PID 1 every process in `/proc`, in
+//!    ordinary mode the descendants found through `/proc` (a test supervisor must never
+//!    signal the host's other processes). The app's group is skipped the second time:
+//!    many servers take a second SIGTERM as "stop now, skip the graceful part", so
+//!    `kill(-1)` is not used for SIGTERM. Grandchildren that left the app's process group
+//!    (daemons, `setsid` children) get it too: tini #180 and dumb-init #212 show what
+//!    happens otherwise.
 //! 3. Up to `shutdown.grace_period_ms` for them to exit, reaping all the while, so that an
 //!    app exiting early ends the wait early.
-//! 4. SIGKILL to whatever remains, and reap until no child is left.
+//! 4. SIGKILL to whatever remains (`kill(-1)` as PID 1), and reap until no child is left.
 //! 5. `sync()`. As PID 1: unmount what boot mounted and, after a switch-root, remount `/`
 //!    read-only; then `powering off` / `rebooting` and `reboot(RB_POWER_OFF)` or
 //!    `reboot(RB_AUTOBOOT)` (Firecracker mode). PID 1 never returns from here: if
@@ -138,11 +140,14 @@ pub fn begin(reason: Reason) -> bool {
         return false;
     }
     info!("shutdown: {reason}");
-    if let Some(app) = app() {
+    let app = app();
+    if let Some(app) = app {
         // The app's process group: the app and the children it did not move away.
         let _ = kill(Pid::from_raw(-app.as_raw()), Signal::SIGTERM);
     }
-    signal_everyone(Signal::SIGTERM);
+    // Everyone else, but not the app's group a second time: many servers treat a second
+    // SIGTERM as "stop now, skip the graceful part".
+    signal_others(Signal::SIGTERM, app);
     true
 }
 
@@ -160,50 +165,77 @@ pub fn reap_step() -> bool {
     r.no_children
 }
 
-/// Sends `sig` to every process but this one: `kill(-1)` as PID 1, the descendants
-/// otherwise.
-fn signal_everyone(sig: Signal) -> usize {
-    if is_pid1() {
-        match kill(Pid::from_raw(-1), sig) {
-            Ok(()) => 1,
-            Err(_) => 0, // ESRCH: nobody left.
-        }
+/// Sends `sig` to every process but this one and those in process group `skip_group`:
+/// as PID 1 every process in the system (or PID namespace), otherwise the descendants.
+/// SIGKILL as PID 1 uses `kill(-1)`, which no process can dodge by forking meanwhile.
+fn signal_others(sig: Signal, skip_group: Option<Pid>) {
+    let own = nix::unistd::getpid();
+    if is_pid1() && skip_group.is_none() {
+        let _ = kill(Pid::from_raw(-1), sig); // ESRCH: nobody left.
+        return;
+    }
+    let table = processes();
+    let targets: Vec<&Proc> = if is_pid1() {
+        table.iter().filter(|p| p.pid != own).collect()
     } else {
-        let own = nix::unistd::getpid();
-        let mut n = 0;
-        for pid in descendants(own) {
-            if kill(pid, sig).is_ok() {
-                n += 1;
-            }
+        let below: HashSet<Pid> = descendants_in(&table, own).into_iter().collect();
+        table.iter().filter(|p| below.contains(&p.pid)).collect()
+    };
+    for p in targets {
+        if Some(p.pgrp) != skip_group {
+            let _ = kill(p.pid, sig);
         }
-        n
     }
 }
 
-/// Every process below `root` in the parent tree, read from `/proc/<pid>/stat`.
-pub fn descendants(root: Pid) -> Vec<Pid> {
-    let mut children: HashMap<i32, Vec<i32>> = HashMap::new();
+/// One row of the process table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Proc {
+    /// Process id.
+    pub pid: Pid,
+    /// Parent process id.
+    pub ppid: Pid,
+    /// Process group id.
+    pub pgrp: Pid,
+}
+
+/// The process table, read from `/proc/<pid>/stat`.
+pub fn processes() -> Vec<Proc> {
+    let mut out = Vec::new();
     if let Ok(dir) = std::fs::read_dir("/proc") {
         for ent in dir.flatten() {
             let Some(pid) = ent.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
                 continue;
             };
-            if let Some(ppid) = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            if let Some(p) = std::fs::read_to_string(format!("/proc/{pid}/stat"))
                 .ok()
                 .as_deref()
-                .and_then(parent_of_stat)
+                .and_then(parse_stat)
             {
-                children.entry(ppid).or_default().push(pid);
+                out.push(p);
             }
         }
     }
+    out
+}
+
+/// Every process below `root` in the parent tree.
+pub fn descendants(root: Pid) -> Vec<Pid> {
+    descendants_in(&processes(), root)
+}
+
+fn descendants_in(table: &[Proc], root: Pid) -> Vec<Pid> {
+    let mut children: HashMap<Pid, Vec<Pid>> = HashMap::new();
+    for p in table {
+        children.entry(p.ppid).or_default().push(p.pid);
+    }
     let mut out = Vec::new();
     let mut seen = HashSet::new();
-    let mut stack = vec![root.as_raw()];
+    let mut stack = vec![root];
     while let Some(p) = stack.pop() {
         for &c in children.get(&p).map(Vec::as_slice).unwrap_or_default() {
             if seen.insert(c) {
-                out.push(Pid::from_raw(c));
+                out.push(c);
                 stack.push(c);
             }
         }
@@ -211,11 +243,19 @@ pub fn descendants(root: Pid) -> Vec<Pid> {
     out
 }
 
-/// The parent pid from a `/proc/<pid>/stat` line (the command name may contain spaces and
-/// parentheses, so parse from the last `)`).
-pub fn parent_of_stat(stat: &str) -> Option<i32> {
+/// Pid, parent and process group from a `/proc/<pid>/stat` line (the command name may
+/// contain spaces and parentheses, so fields are counted from the last `)`).
+pub fn parse_stat(stat: &str) -> Option<Proc> {
+    let pid = stat.split(' ').next()?.parse().ok()?;
     let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_ascii_whitespace().nth(1)?.parse().ok()
+    let mut f = rest.split_ascii_whitespace().skip(1);
+    let ppid = f.next()?.parse().ok()?;
+    let pgrp = f.next()?.parse().ok()?;
+    Some(Proc {
+        pid: Pid::from_raw(pid),
+        ppid: Pid::from_raw(ppid),
+        pgrp: Pid::from_raw(pgrp),
+    })
 }
 
 /// Step 3 without a runtime: waits up to the grace period, reaping. True if all are gone.
@@ -242,7 +282,7 @@ pub fn finish(all_gone: bool) -> i32 {
         if let Some(app) = app() {
             let _ = kill(Pid::from_raw(-app.as_raw()), Signal::SIGKILL);
         }
-        signal_everyone(Signal::SIGKILL);
+        signal_others(Signal::SIGKILL, None);
         // A process in uninterruptible sleep may take a moment; never wait forever.
         let deadline = Instant::now() + Duration::from_secs(5);
         while !reap_step() {
@@ -251,7 +291,7 @@ pub fn finish(all_gone: bool) -> i32 {
                 break;
             }
             // Late children of dying parents re-parent to us; keep killing them.
-            signal_everyone(Signal::SIGKILL);
+            signal_others(Signal::SIGKILL, None);
             std::thread::sleep(Duration::from_millis(10));
         }
     }
@@ -302,10 +342,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn stat_parent_is_parsed_past_odd_names() {
-        assert_eq!(parent_of_stat("42 (sh) S 7 42 42 0"), Some(7));
-        assert_eq!(parent_of_stat("42 (a) b (c)) R 9 1 1"), Some(9));
-        assert_eq!(parent_of_stat("garbage"), None);
+    fn stat_lines_are_parsed_past_odd_names() {
+        let p = |pid, ppid, pgrp| Proc {
+            pid: Pid::from_raw(pid),
+            ppid: Pid::from_raw(ppid),
+            pgrp: Pid::from_raw(pgrp),
+        };
+        assert_eq!(parse_stat("42 (sh) S 7 40 40 0"), Some(p(42, 7, 40)));
+        assert_eq!(parse_stat("42 (a) b (c)) R 9 1 1 0"), Some(p(42, 9, 1)));
+        assert_eq!(parse_stat("garbage"), None);
     }
 
     #[test]
@@ -332,6 +377,45 @@ mod tests {
         }
         let _ = child.kill();
         let _ = child.wait();
+    }
+
+    /// The app's group gets SIGTERM once, from `kill(-pgid)`; the sweep over the other
+    /// processes must skip it. SIGCONT stands in for SIGTERM: it is harmless to the other
+    /// tests' children, which the sweep (over this test process's descendants) reaches too.
+    #[test]
+    fn the_sweep_skips_the_apps_group() {
+        use std::os::unix::process::CommandExt;
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().display();
+        let spawn = |script: String| {
+            std::process::Command::new("sh")
+                .args(["-c", &script])
+                .process_group(0)
+                .spawn()
+                .unwrap()
+        };
+        let mut app = spawn(format!(
+            "trap 'echo cont >> {d}/app.log' CONT; trap 'echo usr1 >> {d}/app.log' USR1; \
+             touch {d}/app.ready; while ! grep -q usr1 {d}/app.log 2>/dev/null; do sleep 0.02; done"
+        ));
+        let mut other = spawn(format!(
+            "trap 'echo cont > {d}/other.log' CONT; touch {d}/other.ready; \
+             while [ ! -s {d}/other.log ]; do sleep 0.02; done"
+        ));
+        for f in ["app.ready", "other.ready"] {
+            while !dir.path().join(f).exists() {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        let app_pid = Pid::from_raw(app.id() as i32);
+        signal_others(Signal::SIGCONT, Some(app_pid));
+        assert!(other.wait().unwrap().success());
+        // SIGUSR1 is sent after SIGCONT would have been: the shell runs every pending trap
+        // before it sees `usr1` in its log, so a wrongly sent SIGCONT shows up as well.
+        kill(app_pid, Signal::SIGUSR1).unwrap();
+        assert!(app.wait().unwrap().success());
+        let log = std::fs::read_to_string(dir.path().join("app.log")).unwrap();
+        assert_eq!(log, "usr1\n", "the sweep signalled the app's group");
     }
 
     #[test]

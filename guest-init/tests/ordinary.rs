@@ -35,7 +35,7 @@ fn sigterm_to_guest_init_terminates_the_app() {
     let script = write_script(
         dir.path(),
         "app.sh",
-        &format!("trap 'echo term > {d}/app.term; exit 5' TERM\necho up > {d}/up\nwhile :; do sleep 0.05; done"),
+        &format!("trap 'echo term >> {d}/app.term; sleep 0.3; exit 5' TERM\necho up > {d}/up\nwhile :; do sleep 0.05; done"),
     );
     let cfg = write_config(
         dir.path(),

@@ -86,7 +86,8 @@ fn sigterm_reaches_everyone_then_sigkill_after_the_grace_period() {
     // - a daemon in its own session (out of the app's group: only kill(-1) reaches it);
     // - a stubborn child that ignores SIGTERM, notes it, and 1 s later notes it is still
     //   alive (the grace period is 5 s, so it must be), then only SIGKILL ends it;
-    // - the app itself exits 0 on SIGTERM.
+    // - the app itself exits 0 on SIGTERM, 0.3 s after noting it: exactly once, since a
+    //   second SIGTERM would run its trap again.
     let script = write_script(
         dir.path(),
         "app.sh",
@@ -94,7 +95,7 @@ fn sigterm_reaches_everyone_then_sigkill_after_the_grace_period() {
             r#"sh -c 'trap "echo term > {d}/child.term; exit 0" TERM; while :; do sleep 0.05; done' &
 setsid sh -c 'trap "echo term > {d}/daemon.term; exit 0" TERM; while :; do sleep 0.05; done' &
 sh -c 'echo $$ > {d}/stubborn.pid; trap "echo term > {d}/stubborn.term; sleep 1; echo alive > {d}/stubborn.alive" TERM; while :; do sleep 0.05; done' &
-trap 'echo term > {d}/app.term; exit 0' TERM
+trap 'echo term >> {d}/app.term; sleep 0.3; exit 0' TERM
 sleep 0.3
 echo started > {d}/started
 while :; do sleep 0.05; done"#
