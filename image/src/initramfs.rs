@@ -222,7 +222,7 @@ pub fn build(spec: &InitramfsSpec) -> Result<Initramfs, ImageError> {
     let mut gz = GzBuilder::new()
         .mtime(0)
         .operating_system(3)
-        .write(Vec::new(), Compression::default());
+        .write(Vec::new(), Compression::fast());
     gz.write_all(&raw)
         .and_then(|_| gz.try_finish())
         .map_err(|source| ImageError::Write {

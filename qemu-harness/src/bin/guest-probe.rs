@@ -14,7 +14,8 @@
 //!   watches `/proc` and prints how many zombies are left.
 //! - `last-words --socket PATH --words TEXT`: waits for SIGTERM, then writes TEXT and a
 //!   newline to PATH, waits for the host's `ack` line, and exits 0.
-//! - `vsock-connect --cid C --port P`: an AF_VSOCK connect; prints what happened.
+//! - `vsock-connect --cid C --port P [--port P...]`: AF_VSOCK connects; prints what happened
+//!   to each.
 //! - `cid-test --relay BIN --port P --echo PATH --config LABEL=FILE ...`: runs host-relay in
 //!   CID mode inside the guest over `vsock_loopback` (peer CID 1) once per config, and
 //!   prints whether each admitted or refused a loopback connection.
@@ -28,6 +29,7 @@
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::process::CommandExt;
 use std::process::{Command, ExitCode, Stdio};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -285,9 +287,19 @@ fn zombies(n: usize) -> bool {
 }
 
 fn last_words(socket: &str, words: &str) -> bool {
-    say!("last-words waiting for SIGTERM");
+    let present = |p: &str| {
+        if std::path::Path::new(p).exists() {
+            "present"
+        } else {
+            "MISSING"
+        }
+    };
+    say!(
+        "last-words waiting for SIGTERM (socket {socket} {})",
+        present(socket)
+    );
     wait_term();
-    say!("last-words got SIGTERM");
+    say!("last-words got SIGTERM (socket {})", present(socket));
     let run = || -> std::io::Result<String> {
         let mut s = UnixStream::connect(socket)?;
         s.set_read_timeout(Some(Duration::from_secs(20)))?;
@@ -342,7 +354,7 @@ fn cid_test(relay: &str, port: u32, echo: &str, configs: &[(String, String)]) ->
         return false;
     }
     for (label, config) in configs {
-        let log_path = format!("/run/relay-{label}.log");
+        let log_path = format!("/tmp/relay-{label}.log");
         let log = match std::fs::File::create(&log_path) {
             Ok(f) => f,
             Err(e) => {
@@ -351,7 +363,21 @@ fn cid_test(relay: &str, port: u32, echo: &str, configs: &[(String, String)]) ->
             }
         };
         let err = log.try_clone().ok();
-        let mut child = match Command::new(relay)
+        let mut cmd = Command::new(relay);
+        // SAFETY: runs in the forked child before exec and only calls sigprocmask-style
+        // functions on a local set, which are async-signal-safe. This probe blocks SIGTERM
+        // (it takes it with sigwait); the relay must not inherit that mask, or it could
+        // never be stopped.
+        unsafe {
+            cmd.pre_exec(|| {
+                let mut set: libc::sigset_t = std::mem::zeroed();
+                libc::sigemptyset(&mut set);
+                libc::sigaddset(&mut set, libc::SIGTERM);
+                libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
+                Ok(())
+            });
+        }
+        let mut child = match cmd
             .args(["run", "--config", config])
             .stdin(Stdio::null())
             .stdout(Stdio::from(log))
@@ -388,6 +414,15 @@ fn cid_test(relay: &str, port: u32, echo: &str, configs: &[(String, String)]) ->
         say!("cid-test {label} {outcome}");
         // SAFETY: kill(2) on our own unreaped child.
         unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while matches!(child.try_wait(), Ok(None)) {
+            if Instant::now() > deadline {
+                say!("cid-test {label}: relay ignored SIGTERM for 10 s; killing it");
+                let _ = child.kill();
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
         let _ = child.wait();
         for line in std::fs::read_to_string(&log_path)
             .unwrap_or_default()
@@ -530,13 +565,15 @@ fn main() -> ExitCode {
             };
         }
         "vsock-connect" => {
-            let (Some(cid), Some(port)) = (
-                opt("--cid").and_then(|c| c.parse().ok()),
-                opt("--port").and_then(|p| p.parse().ok()),
-            ) else {
-                return usage("vsock-connect --cid C --port P");
+            let cid = opt("--cid").and_then(|c| c.parse().ok());
+            let ports: Vec<u32> = all("--port")
+                .iter()
+                .filter_map(|p| p.parse().ok())
+                .collect();
+            let Some(cid) = cid.filter(|_| !ports.is_empty()) else {
+                return usage("vsock-connect --cid C --port P [--port P...]");
             };
-            vsock_probe(cid, port)
+            ports.iter().all(|p| vsock_probe(cid, *p))
         }
         "cid-test" => {
             let (Some(relay), Some(port), Some(echo)) = (

@@ -1,0 +1,598 @@
+//! End-to-end tests in real micro-VMs: real QEMU, the real Debian guest kernel, the real
+//! vhost-device-vsock, `guest-init` (static musl) as PID 1, `host-relay` on the host and a
+//! real Dovecot behind it. Nothing here is simulated.
+//!
+//! Each test boots its own VM through `qemu_harness` and checks one property of the
+//! whole path (the numbering follows issue 5):
+//!
+//! 1. sign-in through the VM at the unchanged path `/var/run/dovecot/auth-client`
+//!    (guest-init forwarder → virtio-vsock → vhost-device-vsock → `<uds>_5001` →
+//!    host-relay → Dovecot): right password `OK`, wrong `FAIL`;
+//! 2. 200 concurrent sign-ins from inside the guest all succeed;
+//! 3. a connection to an undeclared port (5003) is refused and the relay logs it;
+//! 4. the host reaches a guest service through hybrid `CONNECT` and bytes round-trip;
+//! 5. clean stop: the app gets SIGTERM, its last bytes reach the host, QEMU exits 0;
+//! 6. PID 1: orphaned zombies are reaped; a fatal configuration error ends in a logged
+//!    power-off, never "Kernel panic" or "Attempted to kill init";
+//! 8. CID mode for real: inside a guest with `vsock_loopback`, the musl host-relay in CID
+//!    mode admits peer CID 1 and refuses when configured for another CID.
+//!
+//! Test 7 (enrollment in a VM) is not here yet: see [`enrollment_in_a_vm_hook`].
+//!
+//! The app in each guest is `guest-probe` (qemu-harness/src/bin/guest-probe.rs), a small
+//! static program that speaks the sign-in protocol exactly as Radicale does (one `recv` for
+//! the greeting) and reports on the console. The tests read those console lines.
+//!
+//! VMs run one at a time (a process-wide lock): the machine has two cores and QEMU runs
+//! under TCG. Timeouts are generous and a timeout fails the test with the console's last
+//! lines; nothing is retried silently. Missing tools fail under `REQUIRE_ALL=1` and skip
+//! otherwise (see `e2e::util::require`).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use e2e::dovecot::{Dovecot, DovecotOptions};
+use e2e::util::{cache_dir, have_program, host_bin, musl_bin, require};
+use qemu_harness::{Image, RelaySpec, Vm, VmSpec};
+use serde_json::{json, Value};
+use vm_image::initramfs::{ExtraFile, InitramfsSpec, Source};
+
+const AUTH_PORT: u32 = 5001;
+const UNDECLARED_PORT: u32 = 5003;
+const UNLISTED_PORT: u32 = 5004;
+const LAST_WORDS_PORT: u32 = 5010;
+const ECHO_EXPORT_PORT: u32 = 6000;
+const CID_TEST_PORT: u32 = 7000;
+const CONTROL_PORT: u32 = 1024;
+const VSOCK_CID_ANY: u32 = u32::MAX;
+const APP_UID: u32 = 20001;
+const AUTH_PATH: &str = "/var/run/dovecot/auth-client";
+const PROBE: &str = "/bin/guest-probe";
+/// How long an action inside the guest may take under TCG before the test fails.
+const GUEST_ACTION_TIMEOUT: Duration = Duration::from_secs(300);
+
+static VM_LOCK: Mutex<()> = Mutex::new(());
+
+/// One VM at a time, even if the test harness runs tests in parallel.
+fn vm_lock() -> MutexGuard<'static, ()> {
+    VM_LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The binaries a VM test needs.
+struct Bins {
+    guest_init: PathBuf,
+    probe: PathBuf,
+    relay_host: PathBuf,
+    relay_musl: PathBuf,
+}
+
+/// Checks the tools (fails under REQUIRE_ALL=1, else skips) and builds the binaries.
+fn prerequisites(need_dovecot: bool) -> Option<Bins> {
+    let cache = cache_dir();
+    if !require(have_program("qemu-system-x86_64"), "qemu-system-x86_64")
+        || !require(
+            cache.join("kernel/current/vmlinuz").is_file(),
+            "the guest kernel (.cache/kernel/current/vmlinuz)",
+        )
+        || !require(
+            cache.join("tools/bin/vhost-device-vsock").is_file(),
+            "vhost-device-vsock (.cache/tools/bin)",
+        )
+        || (need_dovecot && !require(Dovecot::available(), "dovecot (dovecot-core)"))
+    {
+        return None;
+    }
+    Some(Bins {
+        guest_init: musl_bin("guest-init"),
+        probe: musl_bin("guest-probe"),
+        relay_host: host_bin("host-relay"),
+        relay_musl: musl_bin("host-relay"),
+    })
+}
+
+/// guest-init's configuration: vsock modules, control port, the probe as app with `args`.
+fn guest_config(args: &[&str]) -> Value {
+    let mut command = vec![PROBE.to_string()];
+    command.extend(args.iter().map(|a| a.to_string()));
+    json!({
+        "version": 1,
+        "hostname": "vm-test",
+        "modules": vm_image::VSOCK_MODULES,
+        "app": {
+            "command": command,
+            "user": APP_UID,
+            "group": APP_UID,
+            "workdir": "/tmp"
+        },
+        "control": { "listen": { "vsock": { "cid": VSOCK_CID_ANY, "port": CONTROL_PORT } } },
+        "shutdown": { "grace_period_ms": 5000 }
+    })
+}
+
+/// The sign-in service at its unchanged path, forwarded to the host's port 5001.
+fn auth_service() -> Value {
+    json!({
+        "name": "dovecot-auth",
+        "listen": AUTH_PATH,
+        "target": { "vsock": { "cid": 2, "port": AUTH_PORT } },
+        "owner": APP_UID,
+        "group": APP_UID,
+        "mode": "0660"
+    })
+}
+
+fn image(bins: &Bins, config: Value, extra: Vec<ExtraFile>) -> Image {
+    let mut spec = InitramfsSpec::new(&bins.guest_init, config);
+    spec.files.push(ExtraFile {
+        guest_path: PROBE.into(),
+        source: Source::Host(bins.probe.clone()),
+        mode: 0o755,
+    });
+    spec.files.extend(extra);
+    Image::Initramfs(Box::new(spec))
+}
+
+/// host-relay for the VM in per-VM-socket mode: the sign-in service to Dovecot, and the
+/// platform's port 5003 listed as not declared by this app.
+fn auth_relay(spec: &VmSpec, dovecot: &Dovecot) -> RelaySpec {
+    RelaySpec {
+        name: "auth".into(),
+        config: json!({
+            "app": "app-a",
+            "vm": { "id": spec.name, "vsock_uds": spec.vsock_uds(), "gateways": ["10.0.2.2"] },
+            "mode": "per_vm_socket",
+            "socket": { "mode": "0600" },
+            "services": [{
+                "name": "dovecot-auth",
+                "port": AUTH_PORT,
+                "kind": "dovecot-auth",
+                "upstream": { "unix": dovecot.auth_client() },
+                "dovecot": { "rip_policy": "substitute", "client_address": "100.64.0.1" }
+            }],
+            "undeclared": [{ "name": "agent", "port": UNDECLARED_PORT }]
+        }),
+        wait_for: vec![
+            spec.port_socket(AUTH_PORT),
+            spec.port_socket(UNDECLARED_PORT),
+        ],
+    }
+}
+
+fn vm_spec(name: &str, bins: &Bins, image: Image) -> VmSpec {
+    let mut spec = VmSpec::new(name, image);
+    spec.relay_bin = Some(bins.relay_host.clone());
+    spec
+}
+
+/// Console lines that must never appear: PID 1 died or the kernel gave up.
+fn assert_kernel_healthy(console: &str) {
+    for bad in ["Kernel panic", "Attempted to kill init"] {
+        assert!(
+            !console.contains(bad),
+            "console shows {bad:?}:\n{}",
+            console
+        );
+    }
+}
+
+/// Lines of the console that contain `needle`.
+fn lines_with<'a>(console: &'a str, needle: &str) -> Vec<&'a str> {
+    console.lines().filter(|l| l.contains(needle)).collect()
+}
+
+fn stop_clean(vm: &mut Vm) {
+    let report = vm.stop().expect("stop request");
+    assert_eq!(report.reply, "ok stopping", "control port answer");
+    assert!(
+        report.clean(),
+        "QEMU did not exit 0 by itself after the stop request: {report:?}\n{}",
+        vm.console()
+    );
+    let console = vm.console();
+    assert!(
+        console.contains("guest-init: shutdown: host request"),
+        "no orderly shutdown line:\n{console}"
+    );
+    assert!(console.contains("guest-init: powering off"), "{console}");
+    assert_kernel_healthy(&console);
+}
+
+// 1. Sign-in through a VM at the unchanged path.
+#[test]
+fn vm_signin_through_unchanged_path() {
+    let _l = vm_lock();
+    let Some(bins) = prerequisites(true) else {
+        return;
+    };
+    let dovecot = Dovecot::start(&DovecotOptions::default()).expect("start dovecot");
+    let mut config = guest_config(&[
+        "signin",
+        "--socket",
+        AUTH_PATH,
+        "--try",
+        "alice:secret123",
+        "--try",
+        "alice:wrong-password",
+        "--then-sleep",
+    ]);
+    config["services"] = json!([auth_service()]);
+    let mut spec = vm_spec("signin", &bins, image(&bins, config, vec![]));
+    spec.relays.push(auth_relay(&spec, &dovecot));
+    let mut vm = Vm::start(spec).expect("boot");
+    vm.wait_for_console("guest-probe: signin done", GUEST_ACTION_TIMEOUT)
+        .expect("sign-ins finish");
+    let console = vm.console();
+    let results = lines_with(&console, "guest-probe: signin alice");
+    assert_eq!(results.len(), 2, "{console}");
+    assert!(
+        results[0].ends_with("signin alice OK"),
+        "right password: {}",
+        results[0]
+    );
+    assert!(
+        results[1].ends_with("signin alice FAIL"),
+        "wrong password: {}",
+        results[1]
+    );
+    // Dovecot saw requests from this app's per-app address, never the gateway's.
+    let log = dovecot.log();
+    assert!(
+        !log.contains("rip=10.0.2.2"),
+        "gateway rip reached Dovecot:\n{log}"
+    );
+    stop_clean(&mut vm);
+}
+
+// 2. A burst of 200 concurrent sign-ins from inside the guest.
+#[test]
+fn vm_burst_of_200_signins() {
+    let _l = vm_lock();
+    let Some(bins) = prerequisites(true) else {
+        return;
+    };
+    let dovecot = Dovecot::start(&DovecotOptions::default()).expect("start dovecot");
+    let mut config = guest_config(&[
+        "burst",
+        "200",
+        "--socket",
+        AUTH_PATH,
+        "--try",
+        "alice:secret123",
+        "--then-sleep",
+    ]);
+    config["services"] = json!([auth_service()]);
+    let mut spec = vm_spec("burst", &bins, image(&bins, config, vec![]));
+    spec.relays.push(auth_relay(&spec, &dovecot));
+    spec.cpus = 2;
+    let mut vm = Vm::start(spec).expect("boot");
+    let line = vm
+        .wait_for_console("guest-probe: burst ok=", GUEST_ACTION_TIMEOUT)
+        .expect("burst finishes");
+    eprintln!("{line}");
+    assert!(line.contains("burst ok=200 fail=0 err=0"), "{line}");
+    stop_clean(&mut vm);
+}
+
+// 3. Refusals: an undeclared port is refused and logged; an unlisted one reaches nothing.
+#[test]
+fn vm_undeclared_port_is_refused_and_logged() {
+    let _l = vm_lock();
+    let Some(bins) = prerequisites(true) else {
+        return;
+    };
+    let dovecot = Dovecot::start(&DovecotOptions::default()).expect("start dovecot");
+    let p3 = UNDECLARED_PORT.to_string();
+    let p4 = UNLISTED_PORT.to_string();
+    let config = guest_config(&[
+        "vsock-connect",
+        "--cid",
+        "2",
+        "--port",
+        &p3,
+        "--port",
+        &p4,
+        "--then-sleep",
+    ]);
+    let mut spec = vm_spec("refuse", &bins, image(&bins, config, vec![]));
+    spec.relays.push(auth_relay(&spec, &dovecot));
+    let mut vm = Vm::start(spec).expect("boot");
+    vm.wait_for_console("guest-probe: vsock-connect done", GUEST_ACTION_TIMEOUT)
+        .expect("connects finish");
+    let console = vm.console();
+    let undeclared = lines_with(&console, &format!("vsock-connect 2:{UNDECLARED_PORT} "));
+    assert_eq!(undeclared.len(), 1, "{console}");
+    assert!(
+        !undeclared[0].contains(" got "),
+        "the undeclared port must answer nothing: {}",
+        undeclared[0]
+    );
+    let unlisted = lines_with(&console, &format!("vsock-connect 2:{UNLISTED_PORT} "));
+    assert_eq!(unlisted.len(), 1, "{console}");
+    assert!(
+        !unlisted[0].contains(" got "),
+        "an unlisted port must reach nothing: {}",
+        unlisted[0]
+    );
+    let log = vm.relay_log("auth");
+    let refused: Vec<_> = log
+        .lines()
+        .filter(|l| l.contains("refused") && l.contains("service=agent"))
+        .collect();
+    assert!(
+        !refused.is_empty(),
+        "the relay did not log the refusal:\n{log}"
+    );
+    assert!(refused[0].contains("app=app-a"), "{}", refused[0]);
+    // Nothing reached Dovecot.
+    assert!(
+        !dovecot.log().contains("auth: "),
+        "a refused connection reached Dovecot:\n{}",
+        dovecot.log()
+    );
+    stop_clean(&mut vm);
+}
+
+// 4. Host to guest through hybrid CONNECT.
+#[test]
+fn vm_host_reaches_guest_service() {
+    let _l = vm_lock();
+    let Some(bins) = prerequisites(false) else {
+        return;
+    };
+    let mut config = guest_config(&["serve-echo", "/tmp/echo.sock"]);
+    config["exports"] = json!([{
+        "name": "echo",
+        "listen": { "vsock": { "cid": VSOCK_CID_ANY, "port": ECHO_EXPORT_PORT } },
+        "target": { "unix": "/tmp/echo.sock" }
+    }]);
+    let spec = vm_spec("export", &bins, image(&bins, config, vec![]));
+    let mut vm = Vm::start(spec).expect("boot");
+    vm.wait_for_console("guest-probe: serve-echo listening", GUEST_ACTION_TIMEOUT)
+        .expect("echo server up");
+    // Pseudo-random payload (xorshift), different on every connection.
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    for round in 0..3 {
+        let mut s = vm
+            .connect(ECHO_EXPORT_PORT, Duration::from_secs(60))
+            .expect("CONNECT to the guest's echo export");
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let len = 1 + round * 50_000;
+        let payload: Vec<u8> = (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        let mut writer = s.try_clone().unwrap();
+        let to_send = payload.clone();
+        let t = std::thread::spawn(move || writer.write_all(&to_send));
+        let mut got = vec![0u8; len];
+        s.read_exact(&mut got).expect("echo comes back");
+        t.join().unwrap().unwrap();
+        assert!(
+            got == payload,
+            "round {round}: bytes differ after the round trip"
+        );
+    }
+    stop_clean(&mut vm);
+}
+
+// 5. Clean stop: SIGTERM reaches the app, its last bytes reach the host, QEMU exits 0.
+#[test]
+fn vm_clean_stop_delivers_last_words() {
+    let _l = vm_lock();
+    let Some(bins) = prerequisites(false) else {
+        return;
+    };
+    let words = format!(
+        "last-words-{}-{}",
+        std::process::id(),
+        Instant::now().elapsed().as_nanos()
+    );
+    let mut config = guest_config(&[
+        "last-words",
+        "--socket",
+        "/tmp/last-words.sock",
+        "--words",
+        &words,
+    ]);
+    config["services"] = json!([{
+        "name": "last-words",
+        "listen": "/tmp/last-words.sock",
+        "target": { "vsock": { "cid": 2, "port": LAST_WORDS_PORT } },
+        "owner": APP_UID,
+        "mode": "0600"
+    }]);
+    let spec = vm_spec("stop", &bins, image(&bins, config, vec![]));
+    // The host end: listen where the VMM delivers guest port 5010, read a line, ack it.
+    std::fs::create_dir_all(&spec.run_dir).unwrap();
+    let sock = spec.port_socket(LAST_WORDS_PORT);
+    let run_dir = spec.run_dir.clone();
+    let mut vm = Vm::boot(spec).expect("boot");
+    // Vm::boot recreated the run directory: bind after it.
+    assert!(run_dir.is_dir());
+    let listener = UnixListener::bind(&sock).expect("bind host end");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        if let Ok((s, _)) = listener.accept() {
+            let mut r = BufReader::new(s.try_clone().unwrap());
+            let mut line = String::new();
+            let _ = r.read_line(&mut line);
+            let mut w = s;
+            let _ = w.write_all(b"ack\n");
+            let _ = tx.send(line);
+        }
+    });
+    vm.wait_ready().expect("ready");
+    vm.wait_for_console("last-words waiting for SIGTERM", GUEST_ACTION_TIMEOUT)
+        .expect("app waiting");
+    let report = vm.stop().expect("stop");
+    assert_eq!(report.reply, "ok stopping");
+    assert!(
+        report.clean(),
+        "QEMU was not clean: {report:?}\n{}",
+        vm.console()
+    );
+    let got = rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the app's last words reached the host");
+    assert_eq!(got, format!("{words}\n"), "last bytes arrived intact");
+    let console = vm.console();
+    assert!(
+        console.contains("guest-probe: last-words got SIGTERM"),
+        "{console}"
+    );
+    assert!(
+        console.contains("last-words sent, host said \"ack\""),
+        "{console}"
+    );
+    assert!(
+        console.contains("guest-init: app exited status=0"),
+        "{console}"
+    );
+    assert!(console.contains("guest-init: powering off"), "{console}");
+    assert_kernel_healthy(&console);
+}
+
+// 6a. PID 1 reaps orphaned zombies in a real VM.
+#[test]
+fn vm_pid1_reaps_zombies() {
+    let _l = vm_lock();
+    let Some(bins) = prerequisites(false) else {
+        return;
+    };
+    let config = guest_config(&["zombies", "100", "--then-sleep"]);
+    let spec = vm_spec("zombies", &bins, image(&bins, config, vec![]));
+    let mut vm = Vm::start(spec).expect("boot");
+    let line = vm
+        .wait_for_console("guest-probe: zombies left", GUEST_ACTION_TIMEOUT)
+        .expect("zombie count");
+    let console = vm.console();
+    assert!(
+        console.contains("guest-probe: zombies made 100 orphans"),
+        "{console}"
+    );
+    assert!(line.contains("zombies left 0"), "{line}");
+    stop_clean(&mut vm);
+}
+
+// 6b. A fatal configuration error ends in a logged power-off, not a kernel panic.
+#[test]
+fn vm_fatal_config_error_powers_off() {
+    let _l = vm_lock();
+    let Some(bins) = prerequisites(false) else {
+        return;
+    };
+    let mut config = guest_config(&["zombies", "1"]);
+    // A deliberate fatal error: the app's user does not exist (the initramfs has no
+    // /etc/passwd, so no name resolves).
+    config["app"]["user"] = json!("no-such-user-anywhere");
+    let spec = vm_spec("fatal", &bins, image(&bins, config, vec![]));
+    let mut vm = Vm::boot(spec).expect("boot");
+    let status = vm
+        .wait_exit(Duration::from_secs(180))
+        .expect("the guest powers off by itself");
+    assert!(status.success(), "QEMU exit status {status}");
+    let console = vm.console();
+    assert!(console.contains("guest-init: error: fatal:"), "{console}");
+    assert!(
+        console.contains("guest-init: shutdown: fatal error"),
+        "{console}"
+    );
+    assert!(console.contains("guest-init: powering off"), "{console}");
+    assert!(!console.contains(qemu_harness::vm::READY_MARK), "{console}");
+    assert_kernel_healthy(&console);
+}
+
+// 8. CID mode for real: the musl host-relay inside a guest over vsock_loopback.
+#[test]
+fn vm_cid_mode_admits_loopback_peer_and_refuses_others() {
+    let _l = vm_lock();
+    let Some(bins) = prerequisites(false) else {
+        return;
+    };
+    let relay_config = |cid: u32| {
+        json!({
+            "app": "app-a",
+            "vm": { "id": "loopback", "cid": cid },
+            "mode": "cid",
+            "services": [{
+                "name": "echo",
+                "port": CID_TEST_PORT,
+                "upstream": { "unix": "/tmp/cid-echo.sock" }
+            }]
+        })
+    };
+    let file = |path: &str, v: Value| ExtraFile {
+        guest_path: path.into(),
+        source: Source::Bytes(serde_json::to_vec_pretty(&v).unwrap()),
+        mode: 0o644,
+    };
+    let port = CID_TEST_PORT.to_string();
+    let mut config = guest_config(&[
+        "cid-test",
+        "--relay",
+        "/bin/host-relay",
+        "--port",
+        &port,
+        "--echo",
+        "/tmp/cid-echo.sock",
+        "--config",
+        "admit=/etc/relay-admit.json",
+        "--config",
+        "refuse=/etc/relay-refuse.json",
+        "--then-sleep",
+    ]);
+    let mut modules: Vec<Value> = vm_image::VSOCK_MODULES.iter().map(|m| json!(m)).collect();
+    modules.push(json!("vsock_loopback"));
+    config["modules"] = Value::Array(modules);
+    let extra = vec![
+        ExtraFile {
+            guest_path: "/bin/host-relay".into(),
+            source: Source::Host(bins.relay_musl.clone()),
+            mode: 0o755,
+        },
+        file("/etc/relay-admit.json", relay_config(1)),
+        file("/etc/relay-refuse.json", relay_config(7)),
+    ];
+    let spec = vm_spec("cid", &bins, image(&bins, config, extra));
+    let mut vm = Vm::start(spec).expect("boot");
+    vm.wait_for_console("guest-probe: cid-test done", GUEST_ACTION_TIMEOUT)
+        .expect("cid test finishes");
+    let console = vm.console();
+    let admit = lines_with(&console, "guest-probe: cid-test admit ");
+    let refuse = lines_with(&console, "guest-probe: cid-test refuse ");
+    assert_eq!(admit.len(), 1, "{console}");
+    assert_eq!(refuse.len(), 1, "{console}");
+    assert!(
+        admit[0].ends_with("admitted echo ok"),
+        "CID 1 expected to be admitted: {}",
+        admit[0]
+    );
+    assert!(
+        refuse[0].ends_with("refused (closed without data)"),
+        "a relay registered for CID 7 must refuse peer CID 1: {}",
+        refuse[0]
+    );
+    let refusal_logged = console
+        .lines()
+        .any(|l| l.contains("relay-refuse:") && l.contains("refused") && l.contains("peer CID 1"));
+    assert!(
+        refusal_logged,
+        "the relay did not log the refused CID:\n{console}"
+    );
+    stop_clean(&mut vm);
+}
+
+/// Test 7, enrollment in a VM — the hook for when the enrollment work lands: boot a guest whose
+/// configuration has an `enrollment` section, with its key on a virtio-blk disk
+/// (`VmSpec::disks`), the reference enrollment service behind a relay on port 5002, and
+/// reboot it mid-enrollment to show the identical CSR is resumed. Not written yet.
+#[test]
+#[ignore = "test 7 (enrollment in a VM) is not written yet; see the doc comment"]
+fn enrollment_in_a_vm_hook() {}
