@@ -292,12 +292,17 @@ impl Config {
                     ))
                 }
             },
+            // CID 1 (VMADDR_CID_LOCAL) is accepted too: with it the relay admits only
+            // loopback peers of its own kernel, never a VM. It exists so the real AF_VSOCK
+            // accept path can be exercised inside a guest over `vsock_loopback` (the VM
+            // tests do); 0 (hypervisor), 2 (host) and VMADDR_CID_ANY stay refused.
             Mode::Cid => match self.vm.cid {
-                Some(cid) if (3..u32::MAX).contains(&cid) => {}
+                Some(cid) if cid == 1 || (3..u32::MAX).contains(&cid) => {}
                 _ => {
                     return Err(invalid(
                         "vm.cid",
-                        "cid mode needs the guest CID the platform registered (3 or above)",
+                        "cid mode needs the guest CID the platform registered (3 or above; \
+                         1 only to test over vsock_loopback)",
                     ))
                 }
             },
