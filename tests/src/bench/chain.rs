@@ -44,11 +44,13 @@ pub fn binaries() -> Result<Binaries, String> {
 
 fn build() -> Result<Binaries, String> {
     let root = e2e::util::workspace_root();
-    let target = e2e::util::target_dir();
+    let target = target_dir();
     let run = |args: &[&str]| -> Result<(), String> {
         eprintln!("bench: cargo {}", args.join(" "));
         let out = Command::new(env!("CARGO"))
             .args(args)
+            .arg("--target-dir")
+            .arg(&target)
             .current_dir(&root)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -100,6 +102,16 @@ fn build() -> Result<Binaries, String> {
         guest_init,
         host_relay: target.join("release/host-relay"),
     })
+}
+
+/// The target directory the benchmark itself was built in (`<target>/<profile>/bench`), so
+/// the binaries it builds share that build cache whatever `CARGO_TARGET_DIR` says now.
+fn target_dir() -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.parent()?.to_path_buf()))
+        .filter(|t| t.join("release").is_dir() || t.join("debug").is_dir())
+        .unwrap_or_else(e2e::util::target_dir)
 }
 
 /// The `guest-init` configuration: `sleep` as the app, and one forwarded service per
