@@ -10,7 +10,10 @@ echo "[test] cargo fmt --check"; cargo fmt --all -- --check
 echo "[test] cargo clippy -D warnings"; cargo clippy --quiet --workspace --all-targets -- -D warnings
 echo "[test] static musl builds"
 cargo build --quiet --release --target x86_64-unknown-linux-musl -p guest-init -p host-relay
-ls -l target/x86_64-unknown-linux-musl/release/guest-init target/x86_64-unknown-linux-musl/release/host-relay
+# guest-probe: the static app the VM tests run inside guests (rebuilt so it is never stale).
+cargo build --quiet --release --target x86_64-unknown-linux-musl -p qemu-harness --bin guest-probe
+ls -l target/x86_64-unknown-linux-musl/release/guest-init target/x86_64-unknown-linux-musl/release/host-relay \
+      target/x86_64-unknown-linux-musl/release/guest-probe
 echo "[test] cargo test"
 REQUIRE_ALL=1 cargo test --workspace --no-fail-fast 2>&1 | tee target/test-output.log
 echo "[test] done in $(( $(date +%s) - start )) s"

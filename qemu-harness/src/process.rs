@@ -144,3 +144,60 @@ pub fn tail(text: &str, n: usize) -> String {
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn alive(pid: u32) -> bool {
+        // A reaped child's /proc entry is gone.
+        Path::new(&format!("/proc/{pid}")).exists()
+    }
+
+    #[test]
+    fn dropping_a_child_ends_and_reaps_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cmd = Command::new("sleep");
+        cmd.arg("600");
+        let child = Child::spawn("sleeper", cmd, &dir.path().join("log")).unwrap();
+        let pid = child.pid();
+        assert!(alive(pid));
+        drop(child);
+        assert!(!alive(pid), "the child outlived its owner");
+    }
+
+    #[test]
+    fn terminate_escalates_to_sigkill_for_a_child_ignoring_sigterm() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cmd = Command::new("sh");
+        cmd.args([
+            "-c",
+            "trap '' TERM; echo started; while :; do sleep 1; done",
+        ]);
+        let mut child = Child::spawn("stubborn", cmd, &dir.path().join("log")).unwrap();
+        // Wait until the trap is installed.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !child.log().contains("started") && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let (status, killed) = child.terminate(Duration::from_millis(300));
+        assert!(
+            killed,
+            "SIGTERM was ignored, so SIGKILL must have been needed"
+        );
+        assert!(status.is_some());
+    }
+
+    #[test]
+    fn output_goes_to_the_log_and_tail_keeps_the_last_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "echo one; echo two >&2; echo three"]);
+        let mut child = Child::spawn("echo", cmd, &dir.path().join("log")).unwrap();
+        assert!(child
+            .wait_timeout(Duration::from_secs(10))
+            .unwrap()
+            .success());
+        assert_eq!(tail(&child.log(), 2), "two\nthree");
+    }
+}

@@ -647,6 +647,21 @@ impl Vm {
         }
     }
 
+    /// The processes this VM runs on the host, by name (QEMU, each relay, the backend).
+    pub fn pids(&self) -> Vec<(String, u32)> {
+        let mut v = Vec::new();
+        if let Some(q) = &self.qemu {
+            v.push((q.name().to_string(), q.pid()));
+        }
+        for r in &self.relays {
+            v.push((r.name().to_string(), r.pid()));
+        }
+        if let Some(b) = &self.vhost {
+            v.push((b.name().to_string(), b.pid()));
+        }
+        v
+    }
+
     /// Whether QEMU is still running.
     pub fn is_running(&mut self) -> bool {
         self.qemu.as_mut().is_some_and(|q| q.try_status().is_none())

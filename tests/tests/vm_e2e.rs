@@ -380,6 +380,18 @@ fn vm_host_reaches_guest_service() {
         );
     }
     stop_clean(&mut vm);
+    // Dropping the VM leaves no process and no socket behind.
+    let pids = vm.pids();
+    let run_dir = vm.run_dir().to_path_buf();
+    assert_eq!(pids.len(), 2, "qemu and vhost-device-vsock: {pids:?}");
+    drop(vm);
+    for (name, pid) in pids {
+        assert!(
+            !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+            "{name} (pid {pid}) outlived the Vm"
+        );
+    }
+    assert!(!run_dir.exists(), "{} was not removed", run_dir.display());
 }
 
 // 5. Clean stop: SIGTERM reaches the app, its last bytes reach the host, QEMU exits 0.
