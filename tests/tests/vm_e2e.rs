@@ -237,12 +237,9 @@ fn vm_signin_through_unchanged_path() {
         "wrong password: {}",
         results[1]
     );
-    // Dovecot saw requests from this app's per-app address, never the gateway's.
-    let log = dovecot.log();
-    assert!(
-        !log.contains("rip=10.0.2.2"),
-        "gateway rip reached Dovecot:\n{log}"
-    );
+    // (What Dovecot sees as `rip` is checked where its log shows it: the host-relay filter
+    // tests and VM test 9 with Radicale. The fixture's Dovecot logs no successful or failed
+    // request by default, so a check here could not fail.)
     stop_clean(&mut vm);
 }
 
