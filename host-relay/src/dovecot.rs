@@ -186,18 +186,16 @@ impl Policy {
 
 /// Checks the line syntax: no raw NUL or CR, every `\001` starts a valid escape.
 fn check_syntax(line: &[u8]) -> Result<(), FilterError> {
-    let mut i = 0;
-    while i < line.len() {
-        match line[i] {
-            0 => return Err(FilterError::Malformed("raw NUL byte")),
-            b'\r' => return Err(FilterError::Malformed("raw CR byte")),
-            1 => match line.get(i + 1) {
-                Some(b'0' | b'1' | b't' | b'r' | b'n') => i += 1,
-                _ => return Err(FilterError::Malformed("invalid \\001 escape")),
-            },
-            _ => {}
-        }
-        i += 1;
+    if line.contains(&0) {
+        return Err(FilterError::Malformed("raw NUL byte"));
+    }
+    if line.contains(&b'\r') {
+        return Err(FilterError::Malformed("raw CR byte"));
+    }
+    // An escaped character is never 0x01 itself, so checking every 0x01 needs no skipping.
+    let valid_escape = |i: usize| matches!(line.get(i + 1), Some(b'0' | b'1' | b't' | b'r' | b'n'));
+    if (0..line.len()).any(|i| line[i] == 1 && !valid_escape(i)) {
+        return Err(FilterError::Malformed("invalid \\001 escape"));
     }
     Ok(())
 }
@@ -408,7 +406,14 @@ mod tests {
             );
         }
         // The app's own address and real clients are kept as sent.
-        for rip in ["100.64.0.7", "192.0.2.1", "2001:db8::1", "100.128.0.1"] {
+        // (The app's own address inside the reserved pool is its own, in any spelling.)
+        for rip in [
+            "100.64.0.7",
+            "::ffff:100.64.0.7",
+            "192.0.2.1",
+            "2001:db8::1",
+            "100.128.0.1",
+        ] {
             let input = format!("AUTH\t1\tPLAIN\tservice=x\trip={rip}\n");
             assert_eq!(run(&sub(), input.as_bytes()).unwrap(), input.as_bytes());
         }
@@ -447,6 +452,8 @@ mod tests {
         for bad in [
             &b"AUTH\t1\tPLAIN\tservice=x\x01\n"[..],
             b"AUTH\t1\tPLAIN\tservice=x\x01z\n",
+            b"AUTH\t1\tPLAIN\tservice=x\x01\x01t\n",
+            b"\x01\n",
             b"CONT\t1\0\n",
             b"AUTH\t1\tPLAIN\tservice=x\r\n",
         ] {
