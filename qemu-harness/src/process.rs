@@ -139,6 +139,21 @@ impl Drop for Child {
     }
 }
 
+/// A log excerpt for an error: all of it when short, else its first 10 lines (where a
+/// program's own error message usually is, before any backtrace) and its last 30.
+pub fn excerpt(text: &str) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    if lines.len() <= 40 {
+        return lines.join("\n");
+    }
+    format!(
+        "{}\n[... {} lines ...]\n{}",
+        lines[..10].join("\n"),
+        lines.len() - 40,
+        lines[lines.len() - 30..].join("\n")
+    )
+}
+
 /// The last `n` lines of `text`.
 pub fn tail(text: &str, n: usize) -> String {
     let lines: Vec<&str> = text.lines().collect();
@@ -199,5 +214,12 @@ mod tests {
             .unwrap()
             .success());
         assert_eq!(tail(&child.log(), 2), "two\nthree");
+        let long: String = (0..100).map(|i| format!("line {i}\n")).collect();
+        let e = excerpt(&long);
+        assert!(e.starts_with("line 0\nline 1\n"), "{e}");
+        assert!(
+            e.contains("[... 60 lines ...]") && e.ends_with("line 99"),
+            "{e}"
+        );
     }
 }

@@ -42,7 +42,7 @@ use std::time::{Duration, Instant};
 use vm_image::initramfs::{self, InitramfsSpec};
 
 use crate::kernel::{cache_dir, Kernel};
-use crate::process::{tail, Child};
+use crate::process::{excerpt, tail, Child};
 use crate::qemu::{resolve_accel, Accel, QemuArgs, UserNet};
 use crate::HarnessError;
 
@@ -215,7 +215,7 @@ fn wait_for_path(path: &Path, timeout: Duration, child: &mut Child) -> Result<()
             return Err(HarnessError::ProcessDied {
                 name: child.name().to_string(),
                 status: status.to_string(),
-                log_tail: tail(&child.log(), TAIL_LINES),
+                log_tail: excerpt(&child.log()),
             });
         }
         if Instant::now() >= deadline {
@@ -280,6 +280,19 @@ impl Vm {
         };
         let detail = format!("{} ({})", vm.kernel.version, vm.kernel.vmlinuz.display());
         vm.phase("kernel", &detail, t);
+        match vm.start_processes(&cache) {
+            Ok(()) => Ok(vm),
+            Err(e) => {
+                // Keep the logs that explain the failure; Drop still ends every process.
+                vm.spec.keep_run_dir = true;
+                Err(e)
+            }
+        }
+    }
+
+    /// Image, accelerator, vsock backend, relays and QEMU, in that order.
+    fn start_processes(&mut self, cache: &Path) -> Result<(), HarnessError> {
+        let vm = self;
 
         // Image.
         let t = Instant::now();
@@ -309,7 +322,7 @@ impl Vm {
             vm.spec.accel,
             &vm.spec.qemu_bin,
             &vm.kernel.vmlinuz,
-            &cache,
+            cache,
             &vm.spec.run_dir,
         );
         let detail = vm.accel.name().to_string();
@@ -414,7 +427,7 @@ impl Vm {
         let detail = format!("pid {}, {}", child.pid(), vm.accel.name());
         vm.qemu = Some(child);
         vm.phase("boot", &detail, t);
-        Ok(vm)
+        Ok(())
     }
 
     /// The console so far.

@@ -605,3 +605,53 @@ fn vm_cid_mode_admits_loopback_peer_and_refuses_others() {
 #[test]
 #[ignore = "test 7 (enrollment in a VM) is not written yet; see the doc comment"]
 fn enrollment_in_a_vm_hook() {}
+
+// The harness itself: a relay that cannot start ends the boot with its own error message
+// (reported as the relay's death, not as a timeout), starts no QEMU, and leaves no process
+// behind.
+#[test]
+fn vm_harness_reports_a_failing_relay_and_cleans_up() {
+    let _l = vm_lock();
+    let Some(bins) = prerequisites(false) else {
+        return;
+    };
+    let config = guest_config(&["zombies", "1"]);
+    let mut spec = vm_spec("badrelay", &bins, image(&bins, config, vec![]));
+    spec.relays.push(RelaySpec {
+        name: "broken".into(),
+        // Invalid on purpose: per_vm_socket mode without the VM's socket path.
+        config: json!({
+            "app": "app-a",
+            "vm": { "id": "x" },
+            "mode": "per_vm_socket",
+            "services": [{ "name": "s", "port": AUTH_PORT, "upstream": { "unix": "/nonexistent" } }]
+        }),
+        wait_for: vec![spec.port_socket(AUTH_PORT)],
+    });
+    let run_dir = spec.run_dir.clone();
+    let err = Vm::boot(spec).expect_err("a broken relay must fail the boot");
+    let msg = err.to_string();
+    assert!(msg.contains("relay broken exited"), "{msg}");
+    assert!(
+        msg.contains("vm.vsock_uds"),
+        "the relay's own error is quoted: {msg}"
+    );
+    assert!(
+        matches!(err, qemu_harness::HarnessError::ProcessDied { .. }),
+        "the relay's death is reported as such, not as a timeout: {msg}"
+    );
+    // The failed boot kept its run directory (with the logs) and ended the backend.
+    assert!(run_dir.join("relay-broken.log").is_file());
+    assert!(
+        !run_dir.join("console.log").exists(),
+        "QEMU must not have started"
+    );
+    let vhost_log = run_dir.join("vhost-device-vsock.log");
+    assert!(vhost_log.is_file());
+    let leftover = std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| std::fs::read_to_string(e.ok()?.path().join("cmdline")).ok())
+        .any(|c| c.contains("vhost-device-vsock") && c.contains(&*run_dir.to_string_lossy()));
+    assert!(!leftover, "vhost-device-vsock outlived the failed boot");
+    let _ = std::fs::remove_dir_all(&run_dir);
+}
