@@ -17,7 +17,8 @@
 //! 8. CID mode for real: inside a guest with `vsock_loopback`, the musl host-relay in CID
 //!    mode admits peer CID 1 and refuses when configured for another CID.
 //!
-//! Test 7 (enrollment in a VM) is not here yet: see [`enrollment_in_a_vm_hook`].
+//! Test 7 (enrollment in a VM) lives with the enrollment work in `enroll_vm.rs`, on the same
+//! harness and under the same one-VM-at-a-time rule.
 //!
 //! The app in each guest is `guest-probe` (qemu-harness/src/bin/guest-probe.rs), a small
 //! static program that speaks the sign-in protocol exactly as Radicale does (one `recv` for
@@ -597,14 +598,6 @@ fn vm_cid_mode_admits_loopback_peer_and_refuses_others() {
     );
     stop_clean(&mut vm);
 }
-
-/// Test 7, enrollment in a VM — the hook for when the enrollment work lands: boot a guest whose
-/// configuration has an `enrollment` section, with its key on a virtio-blk disk
-/// (`VmSpec::disks`), the reference enrollment service behind a relay on port 5002, and
-/// reboot it mid-enrollment to show the identical CSR is resumed. Not written yet.
-#[test]
-#[ignore = "test 7 (enrollment in a VM) is not written yet; see the doc comment"]
-fn enrollment_in_a_vm_hook() {}
 
 // The harness itself: a relay that cannot start ends the boot with its own error message
 // (reported as the relay's death, not as a timeout), starts no QEMU, and leaves no process
