@@ -475,9 +475,10 @@ fn harness_phase_detail(
         "kernel" => format!(
             "Debian cloud kernel {}",
             spec.kernel
-                .as_ref()
-                .map(|k| k.version.clone())
-                .unwrap_or_else(|| "(current in the cache)".into())
+                .clone()
+                .or_else(|| qemu_harness::Kernel::from_cache(&crate::util::cache_dir()).ok())
+                .map(|k| k.version)
+                .unwrap_or_default()
         ),
         "image" => format!(
             "initramfs {} KiB: static guest-init as /init, its config, {} module names expanded \

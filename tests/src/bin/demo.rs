@@ -19,13 +19,14 @@ use e2e::radicale_vm::{
     secs, Options, Phase, Requirements, Scenario, APP_CLIENT_ADDRESS, GATEWAY, PASSWORD, USER,
 };
 
-const PATH: &str = "\
-  host  HTTP client --127.0.0.1:PORT--> QEMU user networking (hostfwd)
-  guest   --> Radicale 3.9.0 on 10.0.2.15:5232 (uid 1001; every client looks like 10.0.2.2)
-          Radicale --/var/run/dovecot/auth-client--> guest-init (PID 1) forwarder
-          --AF_VSOCK CID 2 port 5001--> virtio-vsock
-  host    --> vhost-device-vsock --<vm.vsock>_5001--> host-relay (admits this VM only;
-          rewrites rip 10.0.2.2 -> the app's own address) --> Dovecot 2.3 auth-client";
+const PATH: &[&str] = &[
+    "  host    HTTP client --127.0.0.1:PORT--> QEMU user networking (hostfwd)",
+    "  guest   --> Radicale 3.9.0 on 10.0.2.15:5232 (uid 1001; every client looks like 10.0.2.2)",
+    "          Radicale --/var/run/dovecot/auth-client--> guest-init (PID 1) forwarder",
+    "          --AF_VSOCK CID 2 port 5001--> virtio-vsock",
+    "  host    --> vhost-device-vsock --<vm.vsock>_5001--> host-relay (admits this VM only;",
+    "          rewrites rip 10.0.2.2 -> the app's own address) --> Dovecot 2.3 auth-client",
+];
 
 fn main() -> ExitCode {
     match run() {
@@ -71,7 +72,11 @@ fn show(label: &str, lines: &[String]) {
 
 fn run() -> anyhow::Result<bool> {
     let t0 = Instant::now();
-    println!("== Radicale in a micro-VM: one sign-in through the whole path ==\n{PATH}\n");
+    println!("== Radicale in a micro-VM: one sign-in through the whole path ==");
+    for l in PATH {
+        println!("{l}");
+    }
+    println!();
     let req = Requirements::check();
     if !req.ok() {
         bail!(
@@ -79,11 +84,13 @@ fn run() -> anyhow::Result<bool> {
             req.missing.join(", ")
         );
     }
-    println!("-- phases (time of each; clock since the demo started) --");
+    println!("-- phases: [clock at the end of the phase] name, its duration, what happened --");
+    let mut clock = std::time::Duration::ZERO;
     let mut print_phase = |p: &Phase| {
+        clock += p.took;
         println!(
             "[{:>6}] {:<13} {:>7}  {}",
-            secs(t0.elapsed()),
+            secs(clock),
             p.name,
             secs(p.took),
             p.detail
