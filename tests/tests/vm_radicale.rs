@@ -113,3 +113,64 @@ fn radicale_in_a_vm_signs_in_through_the_relay_and_dovecot_never_sees_the_gatewa
         radicale_vm::tail_lines(&console, 30)
     );
 }
+
+/// The root disk holds what the VM test relies on, read back from the image itself with
+/// `debugfs` (no mount): Radicale's stock Dovecot configuration at the unchanged socket
+/// path, the guest's Python, and storage owned by the `radicale` user only.
+#[test]
+fn radicale_root_disk_has_the_stock_dovecot_config_and_a_private_storage_dir() {
+    use qemu_harness::radicale_rootfs::{self as r, RootfsOptions};
+    let req = Requirements::check();
+    let have_debugfs =
+        util::have_program("debugfs") || std::path::Path::new("/usr/sbin/debugfs").exists();
+    if !util::require(req.ok() && have_debugfs, &{
+        let mut m = req.missing.clone();
+        if !have_debugfs {
+            m.push("debugfs (apt-get install e2fsprogs)".into());
+        }
+        m.join(", ")
+    }) {
+        return;
+    }
+    let disk = r::ensure(&RootfsOptions::new(util::cache_dir()), &mut |l| {
+        eprintln!("[rootfs] {l}")
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    let debugfs = |cmd: &str| -> String {
+        let out = std::process::Command::new("debugfs")
+            .args(["-R", cmd])
+            .arg(&disk.image)
+            .output()
+            .expect("run debugfs");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let config = debugfs(&format!("cat {}", r::RADICALE_CONFIG_PATH));
+    assert!(
+        config.contains("[auth]\ntype = dovecot\n")
+            && config.contains(&format!("dovecot_socket = {}\n", r::DOVECOT_SOCKET)),
+        "Radicale's config on the disk is not the stock dovecot one:\n{config}"
+    );
+    let python = debugfs("stat /usr/bin/python3.11");
+    assert!(
+        python.contains("Type: regular"),
+        "no python3.11 on the disk:\n{python}"
+    );
+    let radicale = debugfs("stat /usr/lib/python3/dist-packages/radicale/auth/dovecot.py");
+    assert!(
+        radicale.contains("Type: regular"),
+        "Radicale's dovecot backend is not on the disk:\n{radicale}"
+    );
+    let storage = debugfs("stat /var/lib/radicale/collections");
+    assert!(
+        storage.contains(&format!("User:  {}", r::RADICALE_UID))
+            && storage.contains(&format!("Group:  {}", r::RADICALE_UID))
+            && storage.contains("Mode:  0750"),
+        "storage is not private to uid {}:\n{storage}",
+        r::RADICALE_UID
+    );
+    let passwd = debugfs("cat /etc/passwd");
+    assert!(
+        passwd.contains(&format!("radicale:x:{0}:{0}:", r::RADICALE_UID)),
+        "no radicale user in /etc/passwd:\n{passwd}"
+    );
+}
