@@ -48,8 +48,8 @@
 //!
 //! Building needs root: `dpkg-deb -x` must create root-owned files for `mke2fs -d` to
 //! copy, the storage directory must belong to the `radicale` uid, and byte-compiling runs
-//! in a chroot. A VM must not write to the cached image: the harness attaches it with
-//! `snapshot=on` or to a copy.
+//! in a chroot. A VM must not write to the cached image: the Radicale scenario
+//! (`e2e::radicale_vm`) gives each VM a sparse private copy.
 
 use std::fmt::Write as _;
 use std::fs;
