@@ -330,11 +330,6 @@ pub fn keygen(s: &Settings, notes: &mut Vec<String>) -> Vec<Row> {
             None
         }
     };
-    notes.push(
-        "figure 8: P-256 key + CSR timed with rcgen (ring backend) directly; guest-init's \
-         enrollment library exposed no key+CSR function to call"
-            .into(),
-    );
     vec![Row::new(
         "8",
         format!("P-256 keygen + CSR, median of {}", s.keygens),
