@@ -33,7 +33,11 @@ pub fn target_dir() -> PathBuf {
 /// A host binary of the workspace, built for the host in the same profile as the tests.
 /// Builds it with cargo if it is not there yet.
 pub fn host_bin(name: &str) -> PathBuf {
-    let profile = if cfg!(debug_assertions) { "debug" } else { "release" };
+    let profile = if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "release"
+    };
     let path = target_dir().join(profile).join(name);
     if !path.exists() {
         let mut cmd = std::process::Command::new(env!("CARGO"));
@@ -62,7 +66,15 @@ pub fn musl_bin(name: &str) -> PathBuf {
         .join(name);
     if !path.exists() {
         let status = std::process::Command::new(env!("CARGO"))
-            .args(["build", "--quiet", "--release", "--target", "x86_64-unknown-linux-musl", "--bin", name])
+            .args([
+                "build",
+                "--quiet",
+                "--release",
+                "--target",
+                "x86_64-unknown-linux-musl",
+                "--bin",
+                name,
+            ])
             .current_dir(workspace_root())
             .status()
             .expect("run cargo");
