@@ -14,6 +14,11 @@
 //! (`default_client_limit`, `service auth { client_limit }`) are raised to
 //! [`CLIENT_LIMIT`], and the child's open-file limit is raised to its hard limit so
 //! Dovecot accepts those limits.
+//!
+//! With [`DovecotOptions::log_requests`], `auth_verbose` and `auth_debug` log each request's
+//! fields (`client in: AUTH ... rip=<addr> ... resp=<hidden>`: Dovecot hides credentials),
+//! so a test can check which client address Dovecot was given; `auth_verbose_passwords`
+//! stays at its default, `no`, so passwords never reach the log.
 
 use std::io;
 use std::os::unix::fs::PermissionsExt;
@@ -54,6 +59,9 @@ pub struct DovecotOptions {
     pub users: Vec<(String, String)>,
     /// Auth-client listeners; `auth-client` is always there.
     pub listeners: Vec<AuthListener>,
+    /// Log every request's fields (`auth_verbose`, `auth_debug`) as evidence of what the
+    /// relay passed on.
+    pub log_requests: bool,
 }
 
 impl Default for DovecotOptions {
@@ -64,6 +72,7 @@ impl Default for DovecotOptions {
                 ("bob".into(), "hunter22".into()),
             ],
             listeners: Vec::new(),
+            log_requests: false,
         }
     }
 }
@@ -77,6 +86,17 @@ pub struct Dovecot {
 }
 
 impl Dovecot {
+    /// `dovecot --version`.
+    pub fn version() -> io::Result<String> {
+        let out = Command::new(DOVECOT)
+            .arg("--version")
+            .output()
+            .map_err(|e| {
+                io::Error::other(format!("{DOVECOT}: {e} (apt-get install dovecot-core)"))
+            })?;
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+    }
+
     /// Whether Dovecot is installed.
     pub fn available() -> bool {
         Path::new(DOVECOT).exists()
@@ -110,10 +130,15 @@ impl Dovecot {
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
+        let logging = if opts.log_requests {
+            "auth_verbose = yes\nauth_debug = yes\n"
+        } else {
+            ""
+        };
         let conf = format!(
             "base_dir = {d}/run\nstate_dir = {d}/state\ninstance_name = fixture-{instance}\n\
              protocols = none\nssl = no\nlog_path = {d}/dovecot.log\n\
-             auth_mechanisms = plain login\n\
+             auth_mechanisms = plain login\n{logging}\
              default_client_limit = {CLIENT_LIMIT}\n\
              passdb {{\n  driver = passwd-file\n  args = scheme=PLAIN username_format=%u {d}/users\n}}\n\
              userdb {{\n  driver = static\n  args = uid=65534 gid=65534 home=/nonexistent\n}}\n\

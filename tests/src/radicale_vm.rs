@@ -38,7 +38,6 @@
 //! control port and reports QEMU's exit. Dropping a scenario kills whatever is still
 //! running, so a failing test leaves no process or socket behind.
 
-pub mod dovecot_host;
 pub mod http;
 
 use std::net::SocketAddr;
@@ -277,7 +276,7 @@ impl Default for Options {
 /// Dovecot, then the work directory.
 pub struct Scenario {
     vm: qemu_harness::Vm,
-    dovecot: dovecot_host::HostDovecot,
+    dovecot: crate::dovecot::Dovecot,
     work: tempfile::TempDir,
     /// Radicale's address through the port forward.
     pub http: SocketAddr,
@@ -344,15 +343,20 @@ impl Scenario {
         );
 
         // Dovecot on the host, logging each request's rip.
-        let dovecot =
-            dovecot_host::HostDovecot::start(&work.path().join("dovecot"), &[(USER, PASSWORD)])
-                .map_err(|e| ScenarioError::new("dovecot", e))?;
+        let dovecot = crate::dovecot::Dovecot::start(&crate::dovecot::DovecotOptions {
+            users: vec![(USER.into(), PASSWORD.into())],
+            listeners: Vec::new(),
+            log_requests: true,
+        })
+        .map_err(|e| ScenarioError::new("dovecot", e))?;
+        let dovecot_version =
+            crate::dovecot::Dovecot::version().map_err(|e| ScenarioError::new("dovecot", e))?;
         record(
             "dovecot",
             format!(
                 "Dovecot {} auth-client at {}",
-                dovecot.version,
-                dovecot.auth_client.display()
+                dovecot_version,
+                dovecot.auth_client().display()
             ),
             lap(&mut t),
         );
@@ -380,7 +384,7 @@ impl Scenario {
         });
         spec.control_port = CONTROL_PORT;
         spec.relay_bin = Some(relay_bin);
-        let relay = relay_config(&spec.name, &spec.vsock_uds(), &dovecot.auth_client);
+        let relay = relay_config(&spec.name, &spec.vsock_uds(), &dovecot.auth_client());
         spec.relays = vec![qemu_harness::RelaySpec {
             name: "dovecot-auth".into(),
             config: relay,
@@ -392,7 +396,7 @@ impl Scenario {
             .cloned()
             .ok_or_else(|| ScenarioError::new("vm", "no ready line"))?;
         for (name, took) in vm.phases() {
-            let detail = harness_phase_detail(name, &vm, &ready, port, &dovecot.auth_client);
+            let detail = harness_phase_detail(name, &vm, &ready, port, &dovecot.auth_client());
             record(name, detail, *took);
         }
         t = Instant::now();

@@ -276,17 +276,17 @@ pub fn sign_in(dir: &Path, s: &Settings, notes: &mut Vec<String>) -> Vec<Row> {
             Row::new("5", "sign-in p99 (Dovecot AUTH)", "ms", [None; 3]),
         ]
     };
-    if !super::dovecot::available() {
+    if !e2e::dovecot::Dovecot::available() {
         return empty(
             notes,
             "Dovecot is not installed (apt-get install dovecot-core)".into(),
         );
     }
-    let dovecot = match super::dovecot::Dovecot::start(&dir.join("dovecot")) {
+    let dovecot = match e2e::dovecot::Dovecot::start(&e2e::dovecot::DovecotOptions::default()) {
         Ok(d) => d,
         Err(e) => return empty(notes, format!("Dovecot did not start: {e}")),
     };
-    let routes = routes(dir, dovecot.socket(), "auth", s, notes);
+    let routes = routes(dir, &dovecot.auth_client(), "auth", s, notes);
     let (mut p50, mut p99) = (Series::default(), Series::default());
     for round in 0..s.rounds {
         eprintln!("bench: figure 5, round {} of {}", round + 1, s.rounds);
