@@ -129,7 +129,9 @@ impl FromStr for Endpoint {
                 let (cid, port) = rest.split_once(':').ok_or_else(|| err("missing port"))?;
                 Ok(Endpoint::Vsock {
                     cid: cid.parse().map_err(|_| err("CID is not a 32-bit number"))?,
-                    port: port.parse().map_err(|_| err("port is not a 32-bit number"))?,
+                    port: port
+                        .parse()
+                        .map_err(|_| err("port is not a 32-bit number"))?,
                 })
             }
             "tcp" => Ok(Endpoint::Tcp(
@@ -182,7 +184,8 @@ impl Endpoint {
                 }
                 let conn = Conn::from_owned(fd)?;
                 conn.fd.writable().await?.retain_ready();
-                let err: i32 = socket::getsockopt(&conn.fd.get_ref(), socket::sockopt::SocketError)?;
+                let err: i32 =
+                    socket::getsockopt(&conn.fd.get_ref(), socket::sockopt::SocketError)?;
                 if err != 0 {
                     return Err(io::Error::from_raw_os_error(err));
                 }
@@ -503,7 +506,12 @@ mod tests {
 
     #[test]
     fn parses_and_prints_endpoints() {
-        for s in ["unix:/run/a.sock", "vsock:2:5001", "tcp:127.0.0.1:5232", "tcp:[::1]:80"] {
+        for s in [
+            "unix:/run/a.sock",
+            "vsock:2:5001",
+            "tcp:127.0.0.1:5232",
+            "tcp:[::1]:80",
+        ] {
             let e: Endpoint = s.parse().unwrap();
             assert_eq!(e.to_string(), s);
         }
@@ -539,6 +547,9 @@ mod tests {
         server.write_all(b"back").await.unwrap();
         let n = client.read(&mut buf).await.unwrap();
         assert_eq!(&buf[..n], b"back");
-        assert_eq!(client.peer_cred().unwrap().uid(), nix::unistd::getuid().as_raw());
+        assert_eq!(
+            client.peer_cred().unwrap().uid(),
+            nix::unistd::getuid().as_raw()
+        );
     }
 }

@@ -49,7 +49,10 @@ impl IdRef {
     /// Resolves a user reference to its uid and, when it has a passwd entry, its primary gid.
     pub fn resolve_user(&self) -> Result<(Uid, Option<Gid>), IdError> {
         if let Some(n) = self.number() {
-            let gid = User::from_uid(Uid::from_raw(n)).ok().flatten().map(|u| u.gid);
+            let gid = User::from_uid(Uid::from_raw(n))
+                .ok()
+                .flatten()
+                .map(|u| u.gid);
             return Ok((Uid::from_raw(n), gid));
         }
         let name = self.to_string();
@@ -87,8 +90,17 @@ mod tests {
 
     #[test]
     fn names_resolve_and_unknown_names_say_so() {
-        assert_eq!(IdRef::Name("root".into()).resolve_user().unwrap().0.as_raw(), 0);
-        let e = IdRef::Name("no-such-user-xyz".into()).resolve_user().unwrap_err();
+        assert_eq!(
+            IdRef::Name("root".into())
+                .resolve_user()
+                .unwrap()
+                .0
+                .as_raw(),
+            0
+        );
+        let e = IdRef::Name("no-such-user-xyz".into())
+            .resolve_user()
+            .unwrap_err();
         assert!(e.to_string().contains("no-such-user-xyz"));
     }
 

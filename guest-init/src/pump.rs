@@ -194,7 +194,8 @@ mod tests {
         let (client, relay_a) = pair(dir.path(), "a").await;
         let (relay_b, server) = pair(dir.path(), "b").await;
         tokio::spawn(async move { relay(&relay_a, &relay_b).await });
-        let greeting = b"VERSION\t1\t2\nMECH\tPLAIN\tplaintext\nSPID\t1\nCUID\t1\nCOOKIE\t0123\nDONE\n";
+        let greeting =
+            b"VERSION\t1\t2\nMECH\tPLAIN\tplaintext\nSPID\t1\nCUID\t1\nCOOKIE\t0123\nDONE\n";
         server.write_all(greeting).await.unwrap();
         let mut buf = [0u8; 1024];
         let n = client.read(&mut buf).await.unwrap();
