@@ -73,6 +73,7 @@ pub struct AppSpec {
     env: Vec<(String, String)>,
     workdir: PathBuf,
     creds: Credentials,
+    nofile: Option<(u64, u64)>,
 }
 
 impl AppSpec {
@@ -92,7 +93,16 @@ impl AppSpec {
             env,
             workdir: cfg.workdir.clone(),
             creds,
+            nofile: None,
         })
+    }
+
+    /// Gives the app this open-descriptor limit (soft, hard) instead of the supervisor's.
+    /// PID 1 raises its own limit for forwarding bursts; the app gets the limits it would
+    /// have had natively, the ones PID 1 started with.
+    pub fn with_nofile_limit(mut self, limit: (u64, u64)) -> Self {
+        self.nofile = Some(limit);
+        self
     }
 
     /// The resolved credentials.
@@ -121,6 +131,7 @@ impl AppSpec {
             .map(|g| Gid::from_raw(*g))
             .collect();
 
+        let nofile = self.nofile;
         let mut cmd = Command::new(&self.argv[0]);
         cmd.args(&self.argv[1..])
             .env_clear()
@@ -130,7 +141,17 @@ impl AppSpec {
         // system calls on values prepared above (no allocation on the success path, no
         // locks), which is what may be done between `fork` and `exec`.
         unsafe {
-            cmd.pre_exec(move || drop_privileges(&all_caps, uid, gid, &groups, &workdir));
+            cmd.pre_exec(move || {
+                if let Some((soft, hard)) = nofile {
+                    nix::sys::resource::setrlimit(
+                        nix::sys::resource::Resource::RLIMIT_NOFILE,
+                        soft,
+                        hard,
+                    )
+                    .map_err(errno)?;
+                }
+                drop_privileges(&all_caps, uid, gid, &groups, &workdir)
+            });
         }
         let child = cmd.spawn().map_err(spawn_err)?;
         // Dropping `Child` neither waits nor kills: the supervisor's waitpid loop reaps it.

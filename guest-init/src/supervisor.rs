@@ -186,6 +186,13 @@ async fn live(cfg: &Config, started: Instant, keep: &mut Keep) -> Reason {
             Err(e) => return fatal(format_args!("control.listen: {e}")),
         }
     }
+    // Every forwarded connection holds two descriptors, and the kernel starts init with a
+    // soft limit of 1024: lift it to the hard limit (4096 for init, above the VMMs' 1023
+    // vsock connections per VM). The app gets the original limits back (`AppSpec`).
+    let app_nofile = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE);
+    if let Err(e) = crate::forward::raise_fd_limit() {
+        warn!("cannot raise the open-file limit for forwarding: {e}");
+    }
     match crate::forward::start(&cfg.services, &cfg.exports).await {
         Ok(f) => keep._forwarders = Some(f),
         Err(e) => return fatal(e),
@@ -196,7 +203,10 @@ async fn live(cfg: &Config, started: Instant, keep: &mut Keep) -> Reason {
         }
     }
     let spec = match AppSpec::from_config(&cfg.app) {
-        Ok(s) => s,
+        Ok(s) => match app_nofile {
+            Ok(limit) => s.with_nofile_limit(limit),
+            Err(_) => s,
+        },
         Err(e) => return fatal(e),
     };
     let mut app = match spec.spawn() {

@@ -305,3 +305,41 @@ fn forwarded_sockets_keep_working_during_the_grace_period() {
         "{console}"
     );
 }
+
+#[test]
+fn forwarding_gets_the_hard_fd_limit_and_the_app_keeps_the_original() {
+    if !require(
+        std::path::Path::new("/usr/bin/prlimit").exists(),
+        "prlimit (util-linux)",
+    ) {
+        return;
+    }
+    let dir = scratch();
+    let d = dir.path().display();
+    // The app records its own limits, and its parent's (guest-init's) soft limit.
+    let script = write_script(
+        dir.path(),
+        "app.sh",
+        &format!(
+            "ulimit -Sn > {d}/app.soft\nulimit -Hn > {d}/app.hard\n\
+             awk '/^Max open files/ {{print $4}}' /proc/$PPID/limits > {d}/init.soft"
+        ),
+    );
+    let cfg = write_config(
+        dir.path(),
+        &json!({"version": 1, "app": {"command": [script], "user": 0}}),
+    );
+    let (st, console) = Running::ordinary_with_nofile(&cfg, 256, 4096).wait();
+    assert_eq!(st.code(), Some(0), "{console}");
+    assert_eq!(
+        read(&dir.path().join("init.soft")),
+        "4096",
+        "guest-init must lift its soft limit to the hard one for forwarding bursts: {console}"
+    );
+    assert_eq!(
+        read(&dir.path().join("app.soft")),
+        "256",
+        "the app must get the limit guest-init started with"
+    );
+    assert_eq!(read(&dir.path().join("app.hard")), "4096");
+}

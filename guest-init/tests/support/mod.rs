@@ -110,6 +110,17 @@ impl Running {
         Running::spawn(cmd, false)
     }
 
+    /// guest-init as an ordinary process started with this open-file limit (soft, hard).
+    pub fn ordinary_with_nofile(config: &Path, soft: u64, hard: u64) -> Running {
+        let mut cmd = Command::new("prlimit");
+        cmd.arg(format!("--nofile={soft}:{hard}"))
+            .arg("--")
+            .arg(bin())
+            .arg("--config")
+            .arg(config);
+        Running::spawn(cmd, false)
+    }
+
     /// guest-init as PID 1 of fresh PID, mount, UTS and network namespaces.
     pub fn pid1(config: &Path) -> Running {
         let mut cmd = Command::new("unshare");
