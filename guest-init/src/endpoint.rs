@@ -202,7 +202,20 @@ impl Endpoint {
 
     /// Binds and listens with an explicit backlog.
     pub fn listen_with_backlog(&self, backlog: i32) -> io::Result<Listener> {
-        let fd = match self {
+        let fd = self.bind()?;
+        let backlog = Backlog::new(backlog.clamp(1, i32::MAX)).unwrap_or(Backlog::MAXCONN);
+        socket::listen(&fd, backlog)?;
+        Ok(Listener {
+            fd: register(fd, Interest::READABLE)?,
+            endpoint: self.clone(),
+        })
+    }
+
+    /// Creates a non-blocking socket bound to the endpoint, not yet listening. Callers that
+    /// publish a Unix socket set its owner and mode between this and [`listen_on`], so it is
+    /// never reachable with default permissions.
+    pub fn bind(&self) -> io::Result<OwnedFd> {
+        Ok(match self {
             Endpoint::Unix(path) => {
                 let fd = new_socket(AddressFamily::Unix)?;
                 socket::bind(fd.as_raw_fd(), &UnixAddr::new(path.as_path())?)?;
@@ -224,12 +237,6 @@ impl Endpoint {
                 socket::bind(fd.as_raw_fd(), &SockaddrStorage::from(*addr))?;
                 fd
             }
-        };
-        let backlog = Backlog::new(backlog.clamp(1, i32::MAX)).unwrap_or(Backlog::MAXCONN);
-        socket::listen(&fd, backlog)?;
-        Ok(Listener {
-            fd: register(fd, Interest::READABLE)?,
-            endpoint: self.clone(),
         })
     }
 
@@ -240,6 +247,12 @@ impl Endpoint {
             _ => None,
         }
     }
+}
+
+/// Starts listening on a socket from [`Endpoint::bind`] with [`DEFAULT_BACKLOG`].
+pub fn listen_on(fd: &OwnedFd) -> io::Result<()> {
+    let backlog = Backlog::new(DEFAULT_BACKLOG).unwrap_or(Backlog::MAXCONN);
+    Ok(socket::listen(fd, backlog)?)
 }
 
 /// Registers a descriptor with the tokio reactor.

@@ -69,11 +69,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
-use nix::sys::socket::{self, AddressFamily, Backlog, SockFlag, SockType, UnixAddr};
+use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, UnixAddr};
 use serde::{Deserialize, Serialize};
 use tokio::task::AbortHandle;
 
-use crate::endpoint::{Conn, Endpoint, Listener, DEFAULT_BACKLOG};
+use crate::endpoint::{Conn, Endpoint, Listener};
 use crate::ids::IdRef;
 use crate::pump;
 use crate::{debug, error, info, warn};
@@ -633,13 +633,7 @@ fn listen_unix(
         create_parents(parent)?;
     }
     remove_stale(path)?;
-    let fd: OwnedFd = socket::socket(
-        AddressFamily::Unix,
-        SockType::Stream,
-        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
-        None,
-    )?;
-    socket::bind(fd.as_raw_fd(), &UnixAddr::new(path)?)?;
+    let fd = Endpoint::Unix(path.to_path_buf()).bind()?;
     let meta = std::fs::symlink_metadata(path)?;
     let created = CreatedSocket {
         path: path.to_path_buf(),
@@ -655,8 +649,7 @@ fn listen_unix(
         }
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
             .map_err(|e| io::Error::new(e.kind(), format!("cannot set mode {mode:o}: {e}")))?;
-        let backlog = Backlog::new(DEFAULT_BACKLOG).unwrap_or(Backlog::MAXCONN);
-        socket::listen(&fd, backlog)?;
+        crate::endpoint::listen_on(&fd)?;
         Listener::from_listening_fd(fd, Endpoint::Unix(path.to_path_buf()))
     };
     match finish() {

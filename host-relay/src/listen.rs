@@ -18,12 +18,11 @@
 //! backlog would stall the VM's whole vsock device.
 
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use guest_init::endpoint::{Endpoint, DEFAULT_BACKLOG};
-use nix::sys::socket::{self, AddressFamily, Backlog, SockFlag, SockType, UnixAddr, VsockAddr};
+use guest_init::endpoint::{listen_on, Endpoint};
 
 use crate::config::{Config, ListenSpec};
 
@@ -118,20 +117,6 @@ pub fn bind_all(config: &Config) -> Result<Bound, ListenError> {
     Ok(Bound { listeners, files })
 }
 
-fn new_socket(family: AddressFamily) -> io::Result<OwnedFd> {
-    Ok(socket::socket(
-        family,
-        SockType::Stream,
-        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
-        None,
-    )?)
-}
-
-fn listen(fd: &OwnedFd) -> io::Result<()> {
-    let backlog = Backlog::new(DEFAULT_BACKLOG).unwrap_or(Backlog::MAXCONN);
-    Ok(socket::listen(fd, backlog)?)
-}
-
 fn bind_unix(path: &Path) -> Result<OwnedFd, String> {
     match std::fs::symlink_metadata(path) {
         Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path)
@@ -145,27 +130,26 @@ fn bind_unix(path: &Path) -> Result<OwnedFd, String> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(format!("cannot inspect the path: {e}")),
     }
-    let fd = new_socket(AddressFamily::Unix).map_err(|e| e.to_string())?;
-    let addr = UnixAddr::new(path).map_err(|e| e.to_string())?;
     // Created owner-only; the configured mode is applied right after. (Binding happens
     // before any other thread exists, so the process-wide umask is ours to change.)
     let old = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o177));
-    let bound = socket::bind(fd.as_raw_fd(), &addr);
+    let bound = Endpoint::Unix(path.to_path_buf()).bind();
     nix::sys::stat::umask(old);
-    bound.map_err(|e| {
+    let fd = bound.map_err(|e| {
         format!("bind: {e} (does the directory exist and is it writable by the relay?)")
     })?;
-    listen(&fd).map_err(|e| format!("listen: {e}"))?;
+    listen_on(&fd).map_err(|e| format!("listen: {e}"))?;
     Ok(fd)
 }
 
 fn bind_vsock(cid: u32, port: u32) -> Result<OwnedFd, String> {
-    let fd = new_socket(AddressFamily::Vsock)
-        .map_err(|e| format!("AF_VSOCK socket: {e} (is the vhost_vsock kernel module loaded?)"))?;
-    socket::bind(fd.as_raw_fd(), &VsockAddr::new(cid, port)).map_err(|e| {
-        format!("bind: {e} (vsock ports are host-wide: each app needs its own port in cid mode)")
+    let fd = Endpoint::Vsock { cid, port }.bind().map_err(|e| {
+        format!(
+            "bind: {e} (is the vhost_vsock kernel module loaded? vsock ports are host-wide: \
+             each app needs its own port in cid mode)"
+        )
     })?;
-    listen(&fd).map_err(|e| format!("listen: {e}"))?;
+    listen_on(&fd).map_err(|e| format!("listen: {e}"))?;
     Ok(fd)
 }
 
