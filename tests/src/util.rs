@@ -110,3 +110,19 @@ pub fn have_program(name: &str) -> bool {
         .map(|p| std::env::split_paths(&p).any(|d| d.join(name).is_file()))
         .unwrap_or(false)
 }
+
+/// Stops a fixture's child process: SIGTERM, up to `grace` for it to exit (servers remove
+/// their sockets and files on SIGTERM), then SIGKILL. The child is always reaped.
+pub fn stop_child(child: &mut std::process::Child, grace: std::time::Duration) {
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+    let deadline = std::time::Instant::now() + grace;
+    while std::time::Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
