@@ -26,6 +26,7 @@ use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::str::FromStr;
 use std::task::{ready, Context, Poll};
+use std::time::Duration;
 
 use nix::sys::socket::{
     self, AddressFamily, Backlog, MsgFlags, SockFlag, SockType, SockaddrLike, SockaddrStorage,
@@ -39,6 +40,9 @@ use crate::pump::PooledBuf;
 
 /// The backlog listeners ask for. The kernel caps it at `net.core.somaxconn` (4096 here).
 pub const DEFAULT_BACKLOG: i32 = 4096;
+
+/// The longest pause between connect attempts while a Unix listener's backlog is full.
+const BACKLOG_FULL_MAX_PAUSE: Duration = Duration::from_millis(50);
 
 /// The host's CID, as every guest dials it.
 pub const VMADDR_CID_HOST: u32 = 2;
@@ -166,8 +170,21 @@ impl Endpoint {
     pub async fn connect(&self) -> io::Result<Conn> {
         match self {
             Endpoint::Unix(path) => {
-                let s = tokio::net::UnixStream::connect(path).await?;
-                Conn::from_owned(OwnedFd::from(s.into_std()?))
+                // A full listen backlog makes a non-blocking Unix connect fail with EAGAIN,
+                // where the blocking connect an app makes natively waits for room. Wait the
+                // same way, so a burst is queued rather than refused; the caller bounds the
+                // whole connect with its own timeout.
+                let mut pause = Duration::from_millis(1);
+                loop {
+                    match tokio::net::UnixStream::connect(path).await {
+                        Ok(s) => return Conn::from_owned(OwnedFd::from(s.into_std()?)),
+                        Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
+                            tokio::time::sleep(pause).await;
+                            pause = (pause * 2).min(BACKLOG_FULL_MAX_PAUSE);
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
             }
             Endpoint::Tcp(addr) => {
                 let s = tokio::net::TcpStream::connect(addr).await?;
@@ -541,6 +558,35 @@ mod tests {
         let e: Endpoint = serde_json::from_str(r#"{"unix":"/run/x"}"#).unwrap();
         assert_eq!(e, Endpoint::Unix("/run/x".into()));
         assert!(serde_json::from_str::<Endpoint>(r#"{"pipe":"/x"}"#).is_err());
+    }
+
+    #[tokio::test]
+    async fn a_full_backlog_makes_connect_wait_as_a_blocking_connect_would() {
+        let dir = tempfile::tempdir().unwrap();
+        let ep = Endpoint::Unix(dir.path().join("s"));
+        let l = ep.listen_with_backlog(1).unwrap();
+        // Fill the queue without accepting: a connect must then wait, never fail.
+        let mut held = Vec::new();
+        loop {
+            match tokio::time::timeout(Duration::from_millis(200), ep.connect()).await {
+                Ok(Ok(c)) => held.push(c),
+                Ok(Err(e)) => panic!("connect to a full backlog failed instead of waiting: {e}"),
+                Err(_still_waiting) => break,
+            }
+            assert!(held.len() < 64, "the backlog never filled");
+        }
+        // Once the listener accepts, a waiting connect goes through.
+        let accepting = tokio::spawn(async move {
+            let mut keep = Vec::new();
+            while let Ok((c, _)) = l.accept().await {
+                keep.push(c);
+            }
+        });
+        tokio::time::timeout(Duration::from_secs(30), ep.connect())
+            .await
+            .expect("connect kept waiting after the listener accepted")
+            .expect("connect");
+        accepting.abort();
     }
 
     #[tokio::test]
