@@ -62,7 +62,14 @@ fn only_root_may_push_and_bad_pushes_do_not_end_the_wait() {
     }
     if have_socat {
         let mut c = std::os::unix::process::CommandExt::uid(
-            Command::new("socat").args(["-", &format!("UNIX-CONNECT:{}", sock.display())]),
+            // `-t 30`: after its stdin ends, socat waits for the answer for up to 30 s
+            // instead of its default 0.5 s, which a loaded machine can exceed.
+            Command::new("socat").args([
+                "-t",
+                "30",
+                "-",
+                &format!("UNIX-CONNECT:{}", sock.display()),
+            ]),
             20001,
         )
         .stdin(Stdio::piped())
