@@ -61,28 +61,33 @@ fn only_root_may_push_and_bad_pushes_do_not_end_the_wait() {
         eprintln!("SKIPPED: the non-root pusher case needs socat, which is missing");
     }
     if have_socat {
-        let mut c = std::os::unix::process::CommandExt::uid(
-            // `-t 30`: after its stdin ends, socat waits for the answer for up to 30 s
-            // instead of its default 0.5 s, which a loaded machine can exceed.
-            Command::new("socat").args([
-                "-t",
-                "30",
-                "-",
-                &format!("UNIX-CONNECT:{}", sock.display()),
-            ]),
+        let doc_file = dir.path().join("doc.json");
+        std::fs::write(&doc_file, doc()).unwrap();
+        // The pusher connects at once and writes its document 0.1 s later, after the
+        // refusal has been sent. The guest must keep the connection open for the rest of
+        // the request: a pusher whose write fails with EPIPE may exit before it reads the
+        // answer (socat does, with status 1). socat's `-t 30` waits up to 30 s for the
+        // answer after its input ends.
+        let script = r#"(sleep 0.1; cat "$1") | socat -t 30 - "UNIX-CONNECT:$2""#;
+        let c = std::os::unix::process::CommandExt::uid(
+            Command::new("sh")
+                .args(["-c", script, "sh"])
+                .arg(&doc_file)
+                .arg(&sock),
             20001,
         )
-        .stdin(Stdio::piped())
+        .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-        c.stdin.take().unwrap().write_all(doc().as_bytes()).unwrap();
         let out = c.wait_with_output().unwrap();
         let answer = String::from_utf8_lossy(&out.stdout);
         assert!(
-            answer.starts_with("error peer uid 20001 is not root"),
-            "{answer}"
+            out.status.success() && answer.starts_with("error peer uid 20001 is not root"),
+            "{}: answer {answer:?}, socat said {:?}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
         );
     }
 

@@ -304,7 +304,8 @@ pub async fn receive_push(listen: &Endpoint, read_timeout: Duration) -> io::Resu
         };
         if let Err(why) = admit_pusher(&conn, &peer) {
             crate::warn!("enroll: refused bootstrap push from {peer}: {why}");
-            let _ = conn.write_all(format!("error {why}\n").as_bytes()).await;
+            // Answered on its own task: a stream of refused peers must not delay the host.
+            tokio::spawn(answer_error(conn, why));
             continue;
         }
         let origin = format!("pushed by {peer} on {listen}");
@@ -321,19 +322,7 @@ pub async fn receive_push(listen: &Endpoint, read_timeout: Duration) -> io::Resu
             }
             Err(why) => {
                 crate::warn!("enroll: {why}");
-                let _ = conn.write_all(format!("error {why}\n").as_bytes()).await;
-                // Let the pusher read the answer: closing with unread input would reset
-                // the connection and discard it. Bounded, so a flood cannot hold us.
-                let _ = conn.shutdown_write();
-                let mut sink = [0u8; 4096];
-                let _ = tokio::time::timeout(Duration::from_secs(1), async {
-                    for _ in 0..16 {
-                        if !matches!(conn.read(&mut sink).await, Ok(n) if n > 0) {
-                            break;
-                        }
-                    }
-                })
-                .await;
+                answer_error(conn, why).await;
             }
         }
     };
@@ -355,6 +344,27 @@ fn admit_pusher(conn: &Conn, peer: &Peer) -> Result<(), String> {
         },
         Peer::Tcp(_) => Err("TCP peers cannot push bootstrap material".into()),
     }
+}
+
+/// Answers `error <why>` and lets the pusher read it.
+///
+/// Closing a Unix socket with unread input resets the connection, and a pusher still
+/// writing its document then sees `EPIPE` or `ECONNRESET` and never reads the answer. So
+/// the write side is shut and the rest of the input is read and discarded (into a buffer
+/// wiped afterwards: a refused peer may have sent a token), bounded in bytes and time so a
+/// flood cannot hold the connection open.
+async fn answer_error(conn: Conn, why: String) {
+    let _ = conn.write_all(format!("error {why}\n").as_bytes()).await;
+    let _ = conn.shutdown_write();
+    let mut sink = Zeroizing::new([0u8; 4096]);
+    let _ = tokio::time::timeout(Duration::from_secs(3), async {
+        for _ in 0..16 {
+            if !matches!(conn.read(&mut sink[..]).await, Ok(n) if n > 0) {
+                break;
+            }
+        }
+    })
+    .await;
 }
 
 /// Reads to end of stream; `None` if more than [`MAX_MATERIAL_BYTES`] arrive.
