@@ -2,9 +2,10 @@
 //! requirement checks and a console-capturing runner for guest-init as an ordinary process
 //! or as PID 1 of a fresh PID + mount (+ UTS + network) namespace.
 //!
-//! Scratch directories live under Cargo's target tmp dir, not `/tmp`: as PID 1, guest-init
-//! mounts a fresh tmpfs on `/tmp` (in its private mount namespace), which would hide a
-//! test's files there from the app.
+//! Scratch directories never live under `/tmp` or `/run`: as PID 1, guest-init mounts a
+//! fresh tmpfs on each (in its private mount namespace) when nothing is mounted there,
+//! which would hide a test's files from the app. They go under Cargo's target tmp dir, or
+//! `/var/tmp` when the checkout itself is under `/tmp` (a CI clone may well be).
 
 #![allow(dead_code)]
 
@@ -19,9 +20,16 @@ pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_guest-init")
 }
 
-/// A scratch directory outside `/tmp`.
+/// A scratch directory that guest-init's own mounts cannot hide (see the module doc).
 pub fn scratch() -> tempfile::TempDir {
-    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("scratch dir")
+    let target = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let hidden = target.starts_with("/tmp") || target.starts_with("/run");
+    let base = if hidden {
+        Path::new("/var/tmp")
+    } else {
+        target
+    };
+    tempfile::tempdir_in(base).expect("scratch dir")
 }
 
 /// Writes `json` as `guest-init.json` in `dir` and returns its path.
