@@ -427,6 +427,12 @@ impl Conn {
         }
     }
 
+    /// Waits until the socket can take data (or has failed, so that a write would report
+    /// why). The readiness is kept, so a `write_all` right after sends without waiting.
+    pub async fn writable(&self) -> io::Result<()> {
+        self.fd.writable().await.map(drop)
+    }
+
     /// Writes all of `buf` before returning, waiting for the peer as needed.
     pub async fn write_all(&self, mut buf: &[u8]) -> io::Result<()> {
         while !buf.is_empty() {
