@@ -151,10 +151,18 @@ impl Endpoint {
     /// configuration field in the message.
     pub fn validate(&self) -> Result<(), String> {
         match self {
-            Endpoint::Unix(p) if !p.is_absolute() => Err(format!(
-                "unix path {} is relative; use an absolute path",
-                p.display()
-            )),
+            Endpoint::Unix(p) if !p.is_absolute() => match p.to_str() {
+                // The endpoint syntax of other fields (and of the logs) where a plain path
+                // is expected.
+                Some(s) if s.starts_with("unix:/") => Err(format!(
+                    "unix path {s} is relative: this field takes a plain path; write {}",
+                    &s["unix:".len()..]
+                )),
+                _ => Err(format!(
+                    "unix path {} is relative; use an absolute path",
+                    p.display()
+                )),
+            },
             Endpoint::Unix(p) if p.as_os_str().len() >= 108 => Err(format!(
                 "unix path {} is longer than the 107 bytes a socket address holds",
                 p.display()

@@ -127,6 +127,16 @@ fn relative_paths_are_refused() {
         ),
         &["services[1].listen:", "relative; use an absolute path"],
     );
+    // The endpoint spelling where a plain path is expected gets the corrected value.
+    assert_refused(
+        &format!(
+            r#"{{"version": 1, {APP}, "services": [{{"name": "a", "listen": "unix:/run/a.sock", "target": {{"unix": "/run/b"}}}}]}}"#
+        ),
+        &[
+            "services[0].listen:",
+            "takes a plain path; write /run/a.sock",
+        ],
+    );
     assert_refused(
         &format!(r#"{{"version": 1, {APP}, "control": {{"listen": {{"unix": "ctl.sock"}}}}}}"#),
         &["control.listen:", "relative"],
