@@ -9,6 +9,10 @@
 //!   `signin USER OK` or `signin USER FAIL` per attempt.
 //! - `burst N --socket PATH --try USER:PASS`: N concurrent sign-ins (threads released
 //!   together); prints `burst ok=.. fail=.. err=..`.
+//! - `signin-timed N --socket PATH --try USER:PASS`: N sign-ins one after another, each
+//!   timed in the guest; prints `signin-timed ok=.. fail=.. err=.. p50_us=.. p99_us=..`
+//!   (the benchmark's in-guest figure; the first sign-in, which also warms the path, is
+//!   included).
 //! - `serve-echo PATH`: a Unix echo server (a guest service the host reaches).
 //! - `zombies N`: makes N orphans that die at once (zombies for PID 1 to reap), then
 //!   watches `/proc` and prints how many zombies are left.
@@ -434,6 +438,17 @@ fn cid_test(relay: &str, port: u32, echo: &str, configs: &[(String, String)]) ->
     true
 }
 
+/// `SUBCOMMAND N --socket PATH --try USER:PASS` → (N, PATH, USER, PASS).
+fn count_socket_try(
+    args: &[String],
+    opt: impl Fn(&str) -> Option<String>,
+) -> Option<(usize, String, String, String)> {
+    let n = args.get(1)?.parse().ok()?;
+    let t = opt("--try")?;
+    let (user, pass) = t.split_once(':')?;
+    Some((n, opt("--socket")?, user.to_string(), pass.to_string()))
+}
+
 fn main() -> ExitCode {
     block_term();
     let mut args: Vec<String> = std::env::args().skip(1).collect();
@@ -442,7 +457,7 @@ fn main() -> ExitCode {
         args.pop();
     }
     let Some(cmd) = args.first().cloned() else {
-        return usage("no subcommand (signin, burst, serve-echo, zombies, last-words, vsock-connect, cid-test)");
+        return usage("no subcommand (signin, burst, signin-timed, serve-echo, zombies, last-words, vsock-connect, cid-test)");
     };
     let opt = |name: &str| -> Option<String> {
         args.iter()
@@ -477,16 +492,10 @@ fn main() -> ExitCode {
             ok
         }
         "burst" => {
-            let (Some(n), Some(socket), Some(t)) = (
-                args.get(1).and_then(|n| n.parse::<usize>().ok()),
-                opt("--socket"),
-                opt("--try"),
-            ) else {
+            let Some((n, socket, user, pass)) = count_socket_try(&args, opt) else {
                 return usage("burst N --socket PATH --try USER:PASS");
             };
-            let Some((user, pass)) = t.split_once(':') else {
-                return usage("--try USER:PASS");
-            };
+            let (user, pass) = (user.as_str(), pass.as_str());
             let barrier = Arc::new(Barrier::new(n));
             let start = Instant::now();
             let handles: Vec<_> = (0..n)
@@ -527,6 +536,46 @@ fn main() -> ExitCode {
             say!(
                 "burst ok={okc} fail={fail} err={err} in {} ms{}",
                 start.elapsed().as_millis(),
+                first_err
+                    .map(|e| format!(" (first error: {e})"))
+                    .unwrap_or_default()
+            );
+            okc == n
+        }
+        "signin-timed" => {
+            let Some((n, socket, user, pass)) = count_socket_try(&args, opt) else {
+                return usage("signin-timed N --socket PATH --try USER:PASS");
+            };
+            let (user, pass) = (user.as_str(), pass.as_str());
+            let (mut okc, mut fail, mut err) = (0, 0, 0);
+            let mut micros = Vec::with_capacity(n);
+            let mut first_err = None;
+            for _ in 0..n {
+                let t = Instant::now();
+                match signin(&socket, user, pass) {
+                    Signin::Ok => {
+                        okc += 1;
+                        micros.push(t.elapsed().as_micros());
+                    }
+                    Signin::Fail => fail += 1,
+                    Signin::Error(e) => {
+                        err += 1;
+                        first_err.get_or_insert(e);
+                    }
+                }
+            }
+            micros.sort_unstable();
+            // Nearest rank, as the host side's percentiles.
+            let pct = |p: usize| -> u128 {
+                match micros.len() {
+                    0 => 0,
+                    len => micros[((p * len).div_ceil(100)).clamp(1, len) - 1],
+                }
+            };
+            say!(
+                "signin-timed ok={okc} fail={fail} err={err} p50_us={} p99_us={}{}",
+                pct(50),
+                pct(99),
                 first_err
                     .map(|e| format!(" (first error: {e})"))
                     .unwrap_or_default()
