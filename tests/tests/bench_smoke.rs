@@ -85,7 +85,7 @@ fn smoke_run_prints_every_figure_and_writes_json() {
         .unwrap_or_default();
     let missing: Vec<&String> = notes
         .iter()
-        .filter(|n| n.contains("not measured") || n.contains("on chain"))
+        .filter(|n| n.contains("not measured") || n.contains("on chain") || n.contains("VM boot"))
         .collect();
     if !missing.is_empty() {
         if e2e::util::require_all() {
@@ -101,6 +101,30 @@ fn smoke_run_prints_every_figure_and_writes_json() {
         );
     }
     assert_eq!(burst["chain"].as_f64(), Some(50.0), "chain smoke burst");
+
+    // The VM path under TCG: its own table and JSON rows, every value measured, and every
+    // in-guest sign-in of the smoke boot succeeded.
+    assert!(
+        stdout.contains("VM path under QEMU/TCG"),
+        "no VM table printed:\n{stdout}"
+    );
+    let vm_rows = doc["vm_rows"].as_array().expect("vm_rows is an array");
+    assert_eq!(vm_rows.len(), 5, "{vm_rows:?}");
+    for r in vm_rows {
+        assert!(
+            r["chain"].as_f64().is_some_and(|v| v > 0.0),
+            "VM row without a value: {r}"
+        );
+    }
+    let signed_in = vm_rows
+        .iter()
+        .find(|r| {
+            r["metric"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("sign-ins succeeded"))
+        })
+        .and_then(|r| r["chain"].as_f64());
+    assert_eq!(signed_in, Some(3.0), "smoke VM sign-ins: {vm_rows:?}");
 }
 
 #[test]
@@ -110,6 +134,7 @@ fn bad_arguments_are_refused_with_their_name() {
         (&["--burst", "many"][..], "--burst"),
         (&["--json"][..], "--json"),
         (&["--frobnicate"][..], "--frobnicate"),
+        (&["--vm-boots", "-1"][..], "--vm-boots"),
     ] {
         let out = bench().args(args).output().expect("run the bench binary");
         assert!(!out.status.success(), "{args:?} must be refused");

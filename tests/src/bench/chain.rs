@@ -34,6 +34,8 @@ pub struct Binaries {
     pub guest_init: PathBuf,
     /// Host `host-relay`.
     pub host_relay: PathBuf,
+    /// Static musl `guest-probe`, the app inside the VM path's guest.
+    pub guest_probe: PathBuf,
 }
 
 /// Builds (once) and returns the chain's binaries, or why they are not available.
@@ -72,23 +74,26 @@ fn build() -> Result<Binaries, String> {
             ))
         }
     };
-    let guest_init = match std::env::var_os("GUEST_INIT_MUSL") {
-        Some(p) => PathBuf::from(p),
-        None => {
-            run(&[
-                "build",
-                "--quiet",
-                "--release",
-                "--target",
-                "x86_64-unknown-linux-musl",
-                "-p",
-                "guest-init",
-                "--bin",
-                "guest-init",
-            ])?;
-            target.join("x86_64-unknown-linux-musl/release/guest-init")
+    // A static musl binary: `$<NAME>_MUSL` when set (as the demo sets it), else built here.
+    let musl = |var: &str, package: &str, bin: &str| -> Result<PathBuf, String> {
+        if let Some(p) = std::env::var_os(var) {
+            return Ok(PathBuf::from(p));
         }
+        run(&[
+            "build",
+            "--quiet",
+            "--release",
+            "--target",
+            "x86_64-unknown-linux-musl",
+            "-p",
+            package,
+            "--bin",
+            bin,
+        ])?;
+        Ok(target.join("x86_64-unknown-linux-musl/release").join(bin))
     };
+    let guest_init = musl("GUEST_INIT_MUSL", "guest-init", "guest-init")?;
+    let guest_probe = musl("GUEST_PROBE_MUSL", "qemu-harness", "guest-probe")?;
     run(&[
         "build",
         "--quiet",
@@ -101,6 +106,7 @@ fn build() -> Result<Binaries, String> {
     Ok(Binaries {
         guest_init,
         host_relay: target.join("release/host-relay"),
+        guest_probe,
     })
 }
 

@@ -21,8 +21,9 @@
 //!   with a note saying what is missing, never a made-up number.
 //!
 //! Figures 1-5 are in [`figures`], 6-7 ([`guest`]) start the static musl `guest-init`
-//! itself, figure 8 ([`keygen`]) times key generation and CSR creation; [`report`] renders
-//! the table and the JSON.
+//! itself, figure 8 ([`keygen`]) times key generation and CSR creation; [`vm`] boots
+//! micro-VMs for the VM path under TCG, reported as a separate, informative table;
+//! [`report`] renders the tables and the JSON.
 
 #[path = "../bench/chain.rs"]
 mod chain;
@@ -44,6 +45,8 @@ mod paths;
 mod report;
 #[path = "../bench/stats.rs"]
 mod stats;
+#[path = "../bench/vm.rs"]
+mod vm;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -67,6 +70,10 @@ pub struct Settings {
     pub starts: usize,
     /// Key + CSR repetitions (figure 8).
     pub keygens: usize,
+    /// VM boots for the VM path under TCG (0: not measured).
+    pub vm_boots: usize,
+    /// In-guest sign-ins per VM boot.
+    pub vm_sign_ins: usize,
     /// The paths to measure (`--paths`); all by default.
     pub paths: Vec<String>,
 }
@@ -81,6 +88,8 @@ impl Settings {
             sign_ins: 200,
             starts: 20,
             keygens: 100,
+            vm_boots: 3,
+            vm_sign_ins: 200,
             paths: all_paths(),
         }
     }
@@ -94,6 +103,8 @@ impl Settings {
             sign_ins: 50,
             starts: 5,
             keygens: 20,
+            vm_boots: 1,
+            vm_sign_ins: 50,
             paths: all_paths(),
         }
     }
@@ -108,6 +119,8 @@ impl Settings {
             sign_ins: 3,
             starts: 2,
             keygens: 3,
+            vm_boots: 1,
+            vm_sign_ins: 3,
             paths: all_paths(),
         }
     }
@@ -137,13 +150,14 @@ const USAGE: &str =
   --smoke       a tiny run that exercises every figure (CI)
   --rounds N    interleaved rounds per figure (default 5)
   --burst N     connections in the burst of figure 4 (default 5000)
-  --paths LIST  comma-separated subset of direct,chain,socat (e.g. to profile one)";
+  --paths LIST  comma-separated subset of direct,chain,socat (e.g. to profile one)
+  --vm-boots N  VM boots for the VM path under TCG (default 3; 0 skips it)";
 
 fn parse_args() -> anyhow::Result<(Settings, Option<PathBuf>)> {
     let mut args = std::env::args().skip(1);
     let mut settings = Settings::full();
     let mut json = None;
-    let (mut rounds, mut burst, mut only) = (None, None, None);
+    let (mut rounds, mut burst, mut only, mut vm_boots) = (None, None, None, None);
     while let Some(a) = args.next() {
         let mut value = |name: &str| {
             args.next()
@@ -160,6 +174,14 @@ fn parse_args() -> anyhow::Result<(Settings, Option<PathBuf>)> {
             "--burst" => {
                 let v = value("--burst")?;
                 burst = Some(positive("--burst", &v)?);
+            }
+            "--vm-boots" => {
+                let v = value("--vm-boots")?;
+                vm_boots = Some(v.parse::<usize>().map_err(|_| {
+                    anyhow::anyhow!(
+                        "--vm-boots {v:?}: expected a whole number (0 skips the VM path)"
+                    )
+                })?);
             }
             "--paths" => {
                 let v = value("--paths")?;
@@ -186,6 +208,9 @@ fn parse_args() -> anyhow::Result<(Settings, Option<PathBuf>)> {
     }
     if let Some(p) = only {
         settings.paths = p;
+    }
+    if let Some(b) = vm_boots {
+        settings.vm_boots = b;
     }
     Ok((settings, json))
 }
@@ -239,8 +264,17 @@ fn main() -> anyhow::Result<()> {
     rows.extend(figures::sign_in(dir.path(), &settings, &mut notes));
     rows.extend(guest::figures(dir.path(), &settings, &mut notes));
     rows.extend(figures::keygen(&settings, &mut notes));
+    let vm_rows = if settings.vm_boots > 0 {
+        vm::figures(&settings, &mut notes)
+    } else {
+        Vec::new()
+    };
 
     println!("{}", report::render(&rows));
+    if !vm_rows.is_empty() {
+        println!("VM path under QEMU/TCG (informative only: TCG speed says little about KVM)\n");
+        println!("{}", report::render(&vm_rows));
+    }
     for n in &notes {
         println!("note: {n}");
     }
@@ -250,6 +284,7 @@ fn main() -> anyhow::Result<()> {
             "settings": settings,
             "rlimit_nofile": nofile,
             "rows": rows,
+            "vm_rows": vm_rows,
             "notes": notes,
         });
         std::fs::write(&path, serde_json::to_string_pretty(&doc)? + "\n")
