@@ -131,19 +131,8 @@ impl Running {
 
     /// guest-init as PID 1 of fresh PID, mount, UTS and network namespaces.
     pub fn pid1(config: &Path) -> Running {
-        let mut cmd = Command::new("unshare");
-        cmd.args([
-            "--fork",
-            "--pid",
-            "--mount",
-            "--mount-proc",
-            "--uts",
-            "--net",
-        ])
-        .arg(bin())
-        .arg("--config")
-        .arg(config);
-        Running::spawn(cmd, true)
+        let config = config.to_str().expect("a UTF-8 config path");
+        Running::pid1_args(&["--config", config])
     }
 
     /// guest-init as PID 1 with arbitrary arguments (what a kernel command line may pass).
