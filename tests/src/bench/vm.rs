@@ -40,7 +40,7 @@ const APP_UID: u32 = 20001;
 const SIGN_IN_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// What one boot measured.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Boot {
     boot_to_ready_ms: f64,
     guest_ready_ms: f64,
