@@ -29,10 +29,10 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::endpoint::Endpoint;
 use crate::enroll::EnrollConfig;
 use crate::forward::{ExportSpec, ServiceSpec};
 use crate::ids::IdRef;
+use vm_transport::Endpoint;
 
 /// Where the configuration is read from when nothing else names a path.
 pub const DEFAULT_PATH: &str = "/etc/guest-init.json";

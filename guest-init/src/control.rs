@@ -24,8 +24,8 @@ use std::time::Duration;
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::task::JoinHandle;
 
-use crate::endpoint::{Conn, Endpoint, Listener};
 use crate::{debug, warn};
+use vm_transport::{Conn, Endpoint, Listener};
 
 /// Longest request line accepted.
 const MAX_LINE: usize = 64;

@@ -5,10 +5,11 @@
 //! status), so every behaviour is testable without a VM. See `docs/DESIGN.md` for the
 //! whole picture and `docs/CONFIG.md` for the configuration.
 //!
+//! The socket plumbing it shares with `host-relay` (endpoints, the pump, publishing Unix
+//! sockets, the accept loop) is the `vm-transport` crate.
+//!
 //! Modules, from the bottom up:
 //! - [`log`]: one timestamped console line per event.
-//! - [`endpoint`]: Unix, vsock and TCP endpoints; one non-blocking connection type.
-//! - [`pump`]: byte-exact relaying with pooled buffers (shared with `host-relay`).
 //! - [`forward`]: the app's unchanged socket paths forwarded to the host, and host-to-guest
 //!   exports.
 //! - [`ids`]: users and groups by name or number.
@@ -26,11 +27,9 @@ pub mod app;
 pub mod boot;
 pub mod config;
 pub mod control;
-pub mod endpoint;
 pub mod enroll;
 pub mod forward;
 pub mod ids;
 pub mod panic;
-pub mod pump;
 pub mod shutdown;
 pub mod supervisor;

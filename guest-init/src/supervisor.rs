@@ -190,7 +190,7 @@ async fn live(cfg: &Config, started: Instant, keep: &mut Keep) -> Reason {
     // soft limit of 1024: lift it to the hard limit (4096 for init, above the VMMs' 1023
     // vsock connections per VM). The app gets the original limits back (`AppSpec`).
     let app_nofile = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE);
-    if let Err(e) = crate::forward::raise_fd_limit() {
+    if let Err(e) = vm_transport::fdlimit::raise_fd_limit() {
         warn!("cannot raise the open-file limit for forwarding: {e}");
     }
     match crate::forward::start(&cfg.services, &cfg.exports).await {

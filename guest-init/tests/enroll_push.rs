@@ -9,8 +9,8 @@ use std::os::unix::net::UnixStream;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use guest_init::endpoint::Endpoint;
 use guest_init::enroll::material::receive_push;
+use vm_transport::Endpoint;
 
 const TOKEN: &str = "tok_PUSH_SECRET_abcdefghijklmnopqrstuvwxyz0123";
 

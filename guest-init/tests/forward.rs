@@ -10,8 +10,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use forward_support::*;
-use guest_init::endpoint::{Conn, Endpoint};
 use guest_init::forward::{self, DialPolicy, ExportSpec};
+use vm_transport::{Conn, Endpoint};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_data_both_directions_at_once_arrives_byte_exact() {
@@ -167,7 +167,7 @@ async fn a_greeting_written_once_is_read_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_concurrent_connections_all_succeed() {
-    forward::raise_fd_limit().unwrap();
+    vm_transport::fdlimit::raise_fd_limit().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let app_path = dir.path().join("app.sock");
     let host = unix(&dir.path().join("host.sock"));

@@ -78,7 +78,7 @@ async fn the_binary_forwards_bytes_bursts_dead_and_late_targets() {
     if !require(is_root(), "root, to run the app as uid 20001") {
         return;
     }
-    guest_init::forward::raise_fd_limit().unwrap();
+    vm_transport::fdlimit::raise_fd_limit().unwrap();
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let d = dir.path();
     let (data_app, data_host) = (d.join("run/data.sock"), d.join("host-data.sock"));

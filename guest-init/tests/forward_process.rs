@@ -296,7 +296,7 @@ fn rss_kib(pid: u32) -> u64 {
 
 #[test]
 fn an_idle_connection_costs_two_descriptors() {
-    forward::raise_fd_limit().unwrap();
+    vm_transport::fdlimit::raise_fd_limit().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let (app, host) = paths(dir.path());
     // The target accepts and holds every connection without reading.

@@ -51,8 +51,8 @@ async fn a_regular_file_at_the_path_is_refused_and_kept() {
     .await
     .unwrap_err();
     let msg = err.to_string();
-    assert!(matches!(err, ForwardError::Listen { .. }), "{msg}");
-    assert!(msg.starts_with("svc: cannot listen at unix:"), "{msg}");
+    assert!(matches!(err, ForwardError::Publish { .. }), "{msg}");
+    assert!(msg.starts_with("svc: cannot listen: "), "{msg}");
     assert!(msg.contains(&app_path.display().to_string()), "{msg}");
     assert!(
         msg.contains("regular file") && msg.contains("refusing to delete"),
@@ -122,7 +122,7 @@ async fn parents_owner_group_and_mode_are_set() {
     let mut spec = service("dovecot-auth", &app_path, host.clone());
     spec.owner = Some(IdRef::Id(20001));
     spec.group = Some(IdRef::Name("20002".into()));
-    spec.mode = Some("0640".into());
+    spec.mode = Some("0640".parse().unwrap());
     let other = dir.path().join("run/other.sock");
     let _fwd = forward::start(&[spec, service("other", &other, host)], &[])
         .await
@@ -137,7 +137,10 @@ async fn parents_owner_group_and_mode_are_set() {
     assert_eq!(m.permissions().mode() & 0o7777, 0o640);
     // No mode configured: the documented default.
     let m = std::fs::symlink_metadata(&other).unwrap();
-    assert_eq!(m.permissions().mode() & 0o7777, forward::DEFAULT_MODE);
+    assert_eq!(
+        m.permissions().mode() & 0o7777,
+        forward::DEFAULT_MODE.bits()
+    );
     assert_eq!((m.uid(), m.gid()), (0, 0));
     round_trip(&app_path).await;
 }
@@ -220,4 +223,132 @@ async fn dropping_the_forwarders_stops_accepting_and_unlinks() {
     round_trip(&a).await;
     drop(fwd);
     assert!(!a.exists());
+}
+
+/// Radicale's Dovecot client does `settimeout(5)` then `connect`: a non-blocking connect.
+/// Against the app's forwarded socket, with the accept loop not running yet, the kernel
+/// must queue far more than 128 such connects (nix's `Backlog` once capped it there and
+/// the 129th caller got `EAGAIN`). Checked from outside: by the connects, and by `ss`.
+#[test]
+fn the_apps_socket_queues_thousands_of_nonblocking_connects() {
+    use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, UnixAddr};
+    use std::os::fd::AsRawFd;
+    vm_transport::fdlimit::raise_fd_limit().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let app_path = dir.path().join("auth-client");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    // `start` returns with the socket listening; the runtime is then never driven again,
+    // so nobody accepts and the kernel's queue is all there is.
+    let fwd = rt
+        .block_on(forward::start(
+            &[service("auth", &app_path, unix(&dir.path().join("host")))],
+            &[],
+        ))
+        .unwrap();
+    // `ss` lists the listener under the name it was bound with (the publisher binds in a
+    // private directory, see vm_transport::publish): find it by its socket inode, one of
+    // this process's descriptors. Every listener this process has must report the backlog.
+    let ours: std::collections::HashSet<String> = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.unwrap().path()).ok())
+        .filter_map(|l| {
+            let l = l.to_string_lossy().into_owned();
+            l.strip_prefix("socket:[")?
+                .strip_suffix(']')
+                .map(str::to_owned)
+        })
+        .collect();
+    let ss = std::process::Command::new("ss")
+        .args(["-xlnH"])
+        .output()
+        .unwrap();
+    let ss = String::from_utf8_lossy(&ss.stdout);
+    let mine: Vec<&str> = ss
+        .lines()
+        .filter(|l| {
+            l.split_whitespace()
+                .nth(5)
+                .is_some_and(|i| ours.contains(i))
+        })
+        .collect();
+    assert!(
+        !mine.is_empty(),
+        "ss lists none of this process's listeners:\n{ss}"
+    );
+    for line in mine {
+        let backlog: u32 = line.split_whitespace().nth(3).unwrap().parse().unwrap();
+        assert!(backlog > 1000, "ss reports a backlog of {backlog}: {line}");
+    }
+    let addr = UnixAddr::new(&app_path).unwrap();
+    let mut held = Vec::new();
+    for n in 0..2000 {
+        let fd = socket(
+            AddressFamily::Unix,
+            SockType::Stream,
+            SockFlag::SOCK_NONBLOCK,
+            None,
+        )
+        .unwrap();
+        if let Err(e) = connect(fd.as_raw_fd(), &addr) {
+            panic!("non-blocking connect {} refused ({e})", n + 1);
+        }
+        held.push(fd);
+    }
+    drop(fwd);
+    drop(rt);
+}
+
+/// The security review's finding against the forwarder: in ordinary-process mode an app
+/// that owns the socket's parent directory swaps the fresh socket for a symlink, and the
+/// forwarder's `chmod` (default mode 0666) makes the link's target world-writable. A
+/// bounded swap loop against repeated starts must leave the victim's mode alone.
+#[tokio::test]
+async fn a_symlink_swapped_in_never_receives_the_sockets_mode() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let dir = tempfile::tempdir().unwrap();
+    let victim = dir.path().join("victim");
+    std::fs::write(&victim, b"secret").unwrap();
+    std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let sockdir = dir.path().join("app");
+    std::fs::create_dir(&sockdir).unwrap();
+    let path = sockdir.join("s");
+    let stop = Arc::new(AtomicBool::new(false));
+    let swapper = {
+        let (stop, path, victim) = (stop.clone(), path.clone(), victim.clone());
+        let junk = sockdir.join("junk");
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                if std::fs::rename(&path, &junk).is_ok() {
+                    let _ = std::os::unix::fs::symlink(&victim, &path);
+                }
+            }
+        })
+    };
+    let target = unix(&dir.path().join("host"));
+    let (mut started, deadline) = (
+        0,
+        std::time::Instant::now() + std::time::Duration::from_secs(3),
+    );
+    while std::time::Instant::now() < deadline {
+        let _ = std::fs::remove_file(&path);
+        if let Ok(fwd) = forward::start(&[service("s", &path, target.clone())], &[]).await {
+            started += 1;
+            drop(fwd);
+        }
+        let mode = std::fs::metadata(&victim).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(
+            mode, 0o600,
+            "the victim became {mode:o} after {started} starts"
+        );
+    }
+    stop.store(true, Ordering::Relaxed);
+    swapper.join().unwrap();
+    assert!(
+        started > 50,
+        "the race was not exercised ({started} starts)"
+    );
 }

@@ -25,7 +25,7 @@
 
 use std::fmt;
 
-use guest_init::endpoint::Peer;
+use vm_transport::Peer;
 
 /// How an instance's listener identifies its VM.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

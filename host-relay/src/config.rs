@@ -16,8 +16,9 @@ use std::collections::HashSet;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
-use guest_init::endpoint::Endpoint;
 use serde::{Deserialize, Serialize};
+use vm_transport::mode::SocketMode;
+use vm_transport::Endpoint;
 
 use crate::dovecot::{Cidr, DEFAULT_ALLOW_FIELDS};
 
@@ -33,9 +34,15 @@ pub enum ConfigError {
         #[source]
         source: std::io::Error,
     },
-    /// The JSON does not match the schema (serde's message names the field and position).
-    #[error("config is not valid: {0} (see docs/RELAY.md for every field)")]
-    Parse(#[from] serde_json::Error),
+    /// The JSON does not match the schema.
+    #[error("{field}: {source} (see docs/RELAY.md for every field)")]
+    Parse {
+        /// The field's path, e.g. `socket.mode` (`.` for the document itself).
+        field: String,
+        /// serde's message, with line and column.
+        #[source]
+        source: serde_json::Error,
+    },
     /// A field has a value the relay cannot use.
     #[error("{field}: {reason}")]
     Invalid {
@@ -102,7 +109,7 @@ pub struct RunAs {
 pub struct SocketConfig {
     /// Mode of each socket file, octal string; default `"0600"`.
     #[serde(default = "default_socket_mode")]
-    pub mode: String,
+    pub mode: SocketMode,
     /// Owner uid of each socket file (the VMM's user); default: unchanged (root).
     #[serde(default)]
     pub uid: Option<u32>,
@@ -121,8 +128,8 @@ impl Default for SocketConfig {
     }
 }
 
-fn default_socket_mode() -> String {
-    "0600".into()
+fn default_socket_mode() -> SocketMode {
+    SocketMode::OWNER_ONLY
 }
 
 /// What a service's bytes go through.
@@ -247,24 +254,14 @@ impl Config {
 
     /// Parses and validates JSON text.
     pub fn parse(text: &str) -> Result<Config, ConfigError> {
-        let config: Config = serde_json::from_str(text)?;
+        let de = &mut serde_json::Deserializer::from_str(text);
+        let config: Config =
+            serde_path_to_error::deserialize(de).map_err(|e| ConfigError::Parse {
+                field: e.path().to_string(),
+                source: e.into_inner(),
+            })?;
         config.validate()?;
         Ok(config)
-    }
-
-    /// The socket file mode as a number.
-    pub fn socket_mode(&self) -> Result<u32, ConfigError> {
-        let m = self.socket.mode.trim_start_matches("0o");
-        match u32::from_str_radix(m, 8) {
-            Ok(v) if v <= 0o777 => Ok(v),
-            _ => Err(invalid(
-                "socket.mode",
-                format!(
-                    "{:?} is not an octal file mode; write e.g. \"0600\" or \"0660\"",
-                    self.socket.mode
-                ),
-            )),
-        }
     }
 
     /// Checks everything serde cannot.
@@ -275,8 +272,7 @@ impl Config {
                 "must be a non-empty name without '/' or control characters",
             ));
         }
-        let mode = self.socket_mode()?;
-        if mode & 0o007 != 0 {
+        if self.socket.mode.bits() & 0o007 != 0 {
             return Err(invalid(
                 "socket.mode",
                 "gives access to other users: any local user could speak as this VM; use 0600 or 0660",
@@ -487,7 +483,7 @@ mod tests {
             l[1].endpoint,
             Endpoint::Unix("/run/vm1/vm.vsock_5003".into())
         );
-        assert_eq!(c.socket_mode().unwrap(), 0o600);
+        assert_eq!(c.socket.mode.bits(), 0o600);
     }
 
     #[test]

@@ -26,7 +26,7 @@
 //! Everything else is passed **byte for byte**: fields kept are the guest's own bytes,
 //! in the guest's order, `resp=` stays last (an added `rip` goes just before it), and
 //! lines other than `AUTH` are not touched. Service-to-guest bytes do not pass through
-//! here at all: the connection code copies them with [`guest_init::pump::copy`], so a
+//! here at all: the connection code copies them with [`vm_transport::pump::copy`], so a
 //! greeting or reply that arrived in one piece is written in one piece (Radicale reads
 //! each with one `recv`).
 //!

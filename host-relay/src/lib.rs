@@ -7,19 +7,19 @@
 //! - **tells the service who calls**, out of band: by dialling the service's per-app
 //!   endpoint (option a, [`config::ServiceConfig::upstream`]) or by dialling as the app's
 //!   Unix user so `SO_PEERCRED` shows the app as natively (option b, [`privileges`]);
-//! - **passes bytes unchanged** ([`guest_init::pump`]), except the sign-in protocol's
+//! - **passes bytes unchanged** ([`vm_transport::pump`]), except the sign-in protocol's
 //!   guest-to-service lines, where it removes what only the VM's plumbing adds and what
 //!   would grant trust ([`dovecot`]);
 //! - **refuses undeclared services** visibly, and takes bursts ([`serve`]).
 //!
 //! One process serves one app, all its services as tasks of one runtime ([`serve`]
-//! explains why). [`hybrid`] is the host-initiated direction (`CONNECT <port>`).
+//! explains why). The host-initiated direction (`CONNECT <port>`) is
+//! `vm_transport::hybrid`; the socket plumbing is shared with guest-init through `vm-transport`.
 //! Configuration: [`config`] and `docs/RELAY.md`.
 
 pub mod admission;
 pub mod config;
 pub mod dovecot;
-pub mod hybrid;
 pub mod listen;
 pub mod privileges;
 pub mod serve;

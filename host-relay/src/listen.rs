@@ -3,59 +3,93 @@
 //! Every listener is bound first, while the process may still be root, and only then does
 //! the process drop to the app's user ([`crate::privileges`]) and start its runtime. So the
 //! sockets can live in a root-owned run directory and the relay can still dial its
-//! upstreams as the app. Binding is plain `socket`/`bind`/`listen` on raw descriptors
-//! (no runtime needed yet); [`crate::serve`] registers them with tokio later.
+//! upstreams as the app. Nothing here needs a runtime; [`crate::serve`] registers the
+//! descriptors with tokio later.
 //!
-//! Socket files: a per-VM socket `<vm.vsock_uds>_<port>` or an explicit path. A stale
-//! *socket* left by a crashed relay is replaced; any other kind of file at the path is an
-//! error (it is not ours to remove). Each file gets the configured mode (0600 by default:
-//! only the VMM, running as the owner, can connect) and optional owner and group. Every
-//! file created is recorded in [`SocketFiles`], which unlinks them when dropped, so a
-//! relay that stops (or fails half-way through binding) leaves no socket behind.
+//! Socket files (a per-VM socket `<vm.vsock_uds>_<port>`, or an explicit path) are
+//! published by [`vm_transport::publish`], which is where the threats are handled: the
+//! directory is writable by the VMM's user (and, with `run_as`, the app's), so no call
+//! that follows a symlink ever names the path, and the configured owner and mode (0600 by
+//! default: only the VMM, running as the owner, can connect) are set before the socket
+//! appears and listens. A stale socket left by a crashed relay is replaced; a socket a
+//! *live* relay listens on is refused (a second relay started with the same configuration
+//! must not steal the first one's VM); anything else at the path is refused, not deleted.
+//! Every file is recorded in [`SocketFiles`], which removes it at the end only while the
+//! path still names the inode this process published.
 //!
-//! The backlog is [`guest_init::endpoint::DEFAULT_BACKLOG`] (4096, the kernel's cap here):
-//! Firecracker's VMM connects to a per-VM socket with a *blocking* `connect()`, and a full
-//! backlog would stall the VM's whole vsock device.
+//! The backlog is 4096 ([`vm_transport::listener`]): Firecracker's VMM connects to a
+//! per-VM socket with a *blocking* `connect()`, and a full backlog would stall the VM's
+//! whole vsock device.
 
-use std::io;
 use std::os::fd::OwnedFd;
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use guest_init::endpoint::{listen_on, Endpoint};
+use vm_transport::publish::{self, Access, SocketFile};
+use vm_transport::Endpoint;
 
 use crate::config::{Config, ListenSpec};
 
-/// A listener could not be set up.
+/// Why a listener could not be set up.
 #[derive(Debug, thiserror::Error)]
-#[error("service {name}: cannot listen at {endpoint}: {reason}")]
-pub struct ListenError {
-    /// Service name.
-    pub name: String,
-    /// Where.
-    pub endpoint: String,
-    /// What went wrong and what to do.
-    pub reason: String,
+pub enum ListenError {
+    /// A Unix socket could not be published.
+    #[error("service {name}: cannot listen: {source}")]
+    Publish {
+        /// Service name.
+        name: String,
+        /// The cause, naming the path and the fix.
+        #[source]
+        source: publish::PublishError,
+    },
+    /// A vsock listener could not be bound.
+    #[error("service {name}: cannot listen at {endpoint}: {source} (is the vhost_vsock kernel module loaded? vsock ports are host-wide: each app needs its own port in cid mode)")]
+    Vsock {
+        /// Service name.
+        name: String,
+        /// Where.
+        endpoint: Endpoint,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A transport the relay does not listen on.
+    #[error(
+        "service {name}: cannot listen at {endpoint}: the relay listens on Unix and vsock only"
+    )]
+    Unsupported {
+        /// Service name.
+        name: String,
+        /// Where.
+        endpoint: Endpoint,
+    },
 }
 
-/// Socket files this process created; unlinked on drop.
-#[derive(Debug, Default)]
-pub struct SocketFiles(Vec<PathBuf>);
-
-impl SocketFiles {
-    /// The files, in creation order.
-    pub fn paths(&self) -> &[PathBuf] {
-        &self.0
+impl ListenError {
+    /// The service the error is about.
+    pub fn service(&self) -> &str {
+        match self {
+            ListenError::Publish { name, .. }
+            | ListenError::Vsock { name, .. }
+            | ListenError::Unsupported { name, .. } => name,
+        }
     }
 }
 
-impl Drop for SocketFiles {
-    fn drop(&mut self) {
-        for p in &self.0 {
-            if let Err(e) = std::fs::remove_file(p) {
-                if e.kind() != io::ErrorKind::NotFound {
-                    tracing::warn!(path = %p.display(), error = %e, "cannot remove socket file");
-                }
+/// Socket files this process published; each is removed on drop if still ours.
+#[derive(Debug, Default)]
+pub struct SocketFiles(Vec<SocketFile>);
+
+impl SocketFiles {
+    /// The files' paths, in creation order.
+    pub fn paths(&self) -> Vec<PathBuf> {
+        self.0.iter().map(|f| f.path().to_path_buf()).collect()
+    }
+
+    /// Removes every file that is still ours. Call it while the listeners still listen.
+    pub fn remove_all(&mut self) {
+        for f in &mut self.0 {
+            if let Err(e) = f.remove() {
+                tracing::warn!(path = %f.path().display(), error = %e, "cannot remove socket file");
             }
         }
     }
@@ -81,32 +115,42 @@ pub struct Bound {
     pub files: SocketFiles,
 }
 
-/// Binds every listener the configuration names.
+/// Binds every listener the configuration names. On an error, the files already
+/// published are removed again.
 pub fn bind_all(config: &Config) -> Result<Bound, ListenError> {
-    let mode = config.socket_mode().map_err(|e| ListenError {
-        name: "socket".into(),
-        endpoint: "-".into(),
-        reason: e.to_string(),
-    })?;
+    let access = Access {
+        mode: config.socket.mode,
+        uid: config.socket.uid,
+        gid: config.socket.gid,
+    };
     let mut files = SocketFiles::default();
     let mut listeners = Vec::new();
     let declared = config.services.len();
     for (i, spec) in config.listeners().into_iter().enumerate() {
-        let err = |reason: String| ListenError {
-            name: spec.name.clone(),
-            endpoint: spec.endpoint.to_string(),
-            reason,
-        };
         let fd = match &spec.endpoint {
             Endpoint::Unix(path) => {
-                let fd = bind_unix(path).map_err(err)?;
-                files.0.push(path.clone());
-                set_file_access(path, mode, config.socket.uid, config.socket.gid)
-                    .map_err(|e| err(format!("cannot set mode/owner: {e}")))?;
-                fd
+                let p = publish::publish(path, access, false).map_err(|source| {
+                    ListenError::Publish {
+                        name: spec.name.clone(),
+                        source,
+                    }
+                })?;
+                files.0.push(p.file);
+                p.fd
             }
-            Endpoint::Vsock { cid, port } => bind_vsock(*cid, *port).map_err(err)?,
-            Endpoint::Tcp(_) => return Err(err("TCP listeners are not supported".into())),
+            Endpoint::Vsock { .. } => {
+                bind_vsock(&spec.endpoint).map_err(|source| ListenError::Vsock {
+                    name: spec.name.clone(),
+                    endpoint: spec.endpoint.clone(),
+                    source,
+                })?
+            }
+            Endpoint::Tcp(_) => {
+                return Err(ListenError::Unsupported {
+                    name: spec.name.clone(),
+                    endpoint: spec.endpoint.clone(),
+                })
+            }
         };
         listeners.push(BoundListener {
             spec,
@@ -117,52 +161,17 @@ pub fn bind_all(config: &Config) -> Result<Bound, ListenError> {
     Ok(Bound { listeners, files })
 }
 
-fn bind_unix(path: &Path) -> Result<OwnedFd, String> {
-    match std::fs::symlink_metadata(path) {
-        Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path)
-            .map_err(|e| format!("cannot remove the stale socket: {e}"))?,
-        Ok(_) => {
-            return Err(
-                "a file that is not a socket is in the way; remove it or choose another path"
-                    .into(),
-            )
-        }
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(format!("cannot inspect the path: {e}")),
-    }
-    // Created owner-only; the configured mode is applied right after. (Binding happens
-    // before any other thread exists, so the process-wide umask is ours to change.)
-    let old = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o177));
-    let bound = Endpoint::Unix(path.to_path_buf()).bind();
-    nix::sys::stat::umask(old);
-    let fd = bound.map_err(|e| {
-        format!("bind: {e} (does the directory exist and is it writable by the relay?)")
-    })?;
-    listen_on(&fd).map_err(|e| format!("listen: {e}"))?;
+fn bind_vsock(endpoint: &Endpoint) -> std::io::Result<OwnedFd> {
+    let fd = endpoint.bind()?;
+    vm_transport::listener::listen_on(&fd)?;
     Ok(fd)
-}
-
-fn bind_vsock(cid: u32, port: u32) -> Result<OwnedFd, String> {
-    let fd = Endpoint::Vsock { cid, port }.bind().map_err(|e| {
-        format!(
-            "bind: {e} (is the vhost_vsock kernel module loaded? vsock ports are host-wide: \
-             each app needs its own port in cid mode)"
-        )
-    })?;
-    listen_on(&fd).map_err(|e| format!("listen: {e}"))?;
-    Ok(fd)
-}
-
-fn set_file_access(path: &Path, mode: u32, uid: Option<u32>, gid: Option<u32>) -> io::Result<()> {
-    if uid.is_some() || gid.is_some() {
-        std::os::unix::fs::chown(path, uid, gid)?;
-    }
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    use std::path::Path;
 
     fn config(dir: &Path, mode: &str) -> Config {
         Config::parse(
@@ -183,7 +192,7 @@ mod tests {
     fn binds_every_listener_with_its_mode_and_removes_them_on_drop() {
         let dir = tempfile::tempdir().unwrap();
         let bound = bind_all(&config(dir.path(), "0660")).unwrap();
-        let paths: Vec<PathBuf> = bound.files.paths().to_vec();
+        let paths: Vec<PathBuf> = bound.files.paths();
         assert_eq!(
             paths,
             vec![
@@ -212,10 +221,96 @@ mod tests {
         drop(bound);
         std::fs::write(dir.path().join("vm.vsock_5003"), b"not a socket").unwrap();
         let err = bind_all(&config(dir.path(), "0600")).unwrap_err();
-        assert_eq!(err.name, "agent");
-        assert!(err.reason.contains("not a socket"), "{err}");
+        assert_eq!(err.service(), "agent");
+        assert!(err.to_string().contains("not a socket"), "{err}");
         // The first listener, created before the failure, was removed again.
         assert!(!dir.path().join("vm.vsock_5001").exists());
         assert!(dir.path().join("vm.vsock_5003").exists());
+    }
+
+    /// Non-blocking connects, as Python with a timeout, Go, Node and asyncio make them,
+    /// against a relay socket nobody accepts on yet: the kernel must queue far more than
+    /// 128 (nix's `Backlog` once capped the backlog there silently).
+    #[test]
+    fn the_kernel_queues_thousands_on_a_per_vm_socket() {
+        use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, UnixAddr};
+        use std::os::fd::AsRawFd;
+        vm_transport::fdlimit::raise_fd_limit().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let bound = bind_all(&config(dir.path(), "0600")).unwrap();
+        let path = dir.path().join("vm.vsock_5001");
+        // What the kernel reports for the listeners: `ss` shows the backlog as Send-Q, and
+        // the socket inode, which is what identifies ours (the bound name is the
+        // publisher's private directory, see vm_transport::publish).
+        use std::os::unix::fs::MetadataExt;
+        let ss = std::process::Command::new("ss")
+            .args(["-xlnH"])
+            .output()
+            .unwrap();
+        let ss = String::from_utf8_lossy(&ss.stdout);
+        for l in &bound.listeners {
+            let fd = l.fd.as_raw_fd();
+            let ino = std::fs::metadata(format!("/proc/self/fd/{fd}"))
+                .unwrap()
+                .ino()
+                .to_string();
+            let line = ss
+                .lines()
+                .find(|l| l.split_whitespace().nth(5) == Some(ino.as_str()))
+                .unwrap_or_else(|| panic!("ss does not list socket inode {ino}:\n{ss}"));
+            let send_q: u32 = line.split_whitespace().nth(3).unwrap().parse().unwrap();
+            assert!(send_q > 1000, "ss reports a backlog of {send_q}: {line}");
+        }
+        let addr = UnixAddr::new(&path).unwrap();
+        let mut held = Vec::new();
+        for n in 0..2000 {
+            let fd = socket(
+                AddressFamily::Unix,
+                SockType::Stream,
+                SockFlag::SOCK_NONBLOCK,
+                None,
+            )
+            .unwrap();
+            if let Err(e) = connect(fd.as_raw_fd(), &addr) {
+                panic!(
+                    "non-blocking connect {} refused ({e}): the backlog is too small",
+                    n + 1
+                );
+            }
+            held.push(fd);
+        }
+        drop(bound);
+    }
+
+    #[test]
+    fn a_second_relay_refuses_a_live_socket_and_leaves_it_in_place() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = bind_all(&config(dir.path(), "0600")).unwrap();
+        let err = bind_all(&config(dir.path(), "0600")).unwrap_err();
+        assert_eq!(err.service(), "s");
+        assert!(
+            err.to_string().contains("another process is listening"),
+            "{err}"
+        );
+        // The failed second relay removed nothing: the first is still reachable.
+        for p in first.files.paths() {
+            std::os::unix::net::UnixStream::connect(&p)
+                .unwrap_or_else(|e| panic!("{} lost: {e}", p.display()));
+        }
+        drop(first);
+    }
+
+    #[test]
+    fn at_exit_only_the_relays_own_inode_is_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let bound = bind_all(&config(dir.path(), "0600")).unwrap();
+        // The file is replaced (say, by an operator's new relay after ours went stale).
+        let p = dir.path().join("vm.vsock_5001");
+        std::fs::remove_file(&p).unwrap();
+        let theirs = std::os::unix::net::UnixListener::bind(&p).unwrap();
+        drop(bound);
+        assert!(p.exists(), "a file this relay did not create was removed");
+        std::os::unix::net::UnixStream::connect(&p).unwrap();
+        drop(theirs);
     }
 }

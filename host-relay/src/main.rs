@@ -14,8 +14,8 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use host_relay::config::Config;
-use host_relay::hybrid::{self, ConnectOptions};
 use tokio::signal::unix::{signal, SignalKind};
+use vm_transport::hybrid::{self, ConnectOptions};
 
 #[derive(Parser)]
 #[command(
@@ -85,18 +85,11 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
-fn raise_fd_limit() {
-    use nix::sys::resource::{getrlimit, setrlimit, Resource};
-    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
-        if soft < hard {
-            let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
-        }
-    }
-}
-
 fn run(path: &std::path::Path) -> anyhow::Result<()> {
     let config = Config::load(path)?;
-    raise_fd_limit();
+    if let Err(e) = vm_transport::fdlimit::raise_fd_limit() {
+        tracing::warn!(error = %e, "cannot raise the open-file limit; bursts may be capped");
+    }
     let bound = host_relay::listen::bind_all(&config)?;
     if let Some(run_as) = &config.run_as {
         host_relay::privileges::drop_to(run_as)?;

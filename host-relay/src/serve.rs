@@ -7,29 +7,29 @@
 //! crash takes down one app's relay, never another's.
 //!
 //! **Accept loops never die** (a peer's lesson: one failed accept ended a loop and every
-//! later caller hung). Errors are logged; resource exhaustion (`EMFILE`, `ENFILE`,
-//! `ENOBUFS`, `ENOMEM`) backs off from 10 ms to at most 1 s, since retrying at once would
-//! spin; anything transient (`ECONNABORTED`, `EINTR`) is retried at once. Each admitted
-//! connection runs in its own task, so one stuck connection (a service that never answers,
-//! a guest that never reads) blocks nothing else. The listener backlog is 4096.
+//! later caller hung). The loop is guest-init's ([`vm_transport::accept`]: one table of
+//! which errors are skipped and which back off); every error is logged here. Each
+//! admitted connection runs in its own task, so one stuck connection (a service that
+//! never answers, a guest that never reads) blocks nothing else. The listener backlog is
+//! 4096.
 //!
 //! **What is logged.** One line per connection decision, with app, service, peer and
 //! reason (`admitted`, or `refused` with e.g. "service not declared by app", or the
 //! foreign CID and port). Closing a dovecot-auth connection for a bad line logs the kind
 //! of problem only, never line contents: `resp=` and `CONT` lines carry credentials.
 //!
-//! **Shutdown.** When the shutdown future completes, the loops stop accepting, the
-//! listeners close, every socket file this process created is removed, and [`serve`]
-//! returns; the binary then exits 0. Connections still open end with the process.
+//! **Shutdown.** When the shutdown future completes, every socket file this process
+//! created is removed (while still listening, so nobody can have taken the path over),
+//! then the loops stop accepting and the listeners close, and [`serve`] returns; the binary then exits 0. Connections still open end with the process.
 
 use std::future::Future;
 use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
-use guest_init::endpoint::{Conn, Endpoint, Listener, Peer};
-use guest_init::pump;
 use tokio::sync::watch;
+use vm_transport::accept::{self, Accepted, Failure};
+use vm_transport::{pump, Conn, Endpoint, Listener, Peer};
 
 use crate::admission::{decide, Decision, Gate, Transport};
 use crate::config::{Config, Kind, Mode, RipPolicy};
@@ -106,58 +106,37 @@ pub async fn serve(
     }
     tracing::info!(app = %config.app, vm = %config.vm.id, listeners = count, "ready");
     shutdown.await;
+    // Files first, while still listening: until they are gone no other relay can have
+    // taken the paths over (it would have found them live and refused).
+    let mut files = bound.files;
+    files.remove_all();
     let _ = stop_tx.send(true);
     for l in loops {
         let _ = l.await;
     }
-    drop(bound.files);
     tracing::info!(app = %config.app, "stopped: listeners closed, socket files removed");
     Ok(())
 }
 
-/// The pause before accepting again after `e`, given the previous pause.
-pub fn accept_backoff(e: &io::Error, previous: Duration) -> Duration {
-    match e.raw_os_error() {
-        Some(libc::ECONNABORTED | libc::EINTR | libc::EAGAIN | libc::EPROTO) => Duration::ZERO,
-        _ => (previous * 2).clamp(Duration::from_millis(10), Duration::from_secs(1)),
-    }
-}
-
 async fn accept_loop(listener: Listener, inst: Arc<Instance>, mut stop: watch::Receiver<bool>) {
-    let mut pause = Duration::ZERO;
-    loop {
-        let accepted = tokio::select! {
-            _ = stop.changed() => break,
-            r = listener.accept() => r,
-        };
-        match accepted {
-            Ok((conn, peer)) => {
-                pause = Duration::ZERO;
-                match decide(&inst.gate, &peer) {
-                    Decision::Admit => {
-                        tracing::info!(app = %inst.app, service = %inst.service, peer = %peer,
-                            reason = "declared by app, peer is the app's VM", "admitted");
-                        tokio::spawn(serve_conn(inst.clone(), conn, peer));
-                    }
-                    Decision::Refuse(reason) => {
-                        tracing::warn!(app = %inst.app, service = %inst.service, peer = %peer,
-                            reason = %reason, "refused");
-                        drop(conn);
-                    }
-                }
-            }
-            Err(e) => {
-                pause = accept_backoff(&e, pause);
-                tracing::error!(app = %inst.app, service = %inst.service, error = %e,
-                    pause_ms = pause.as_millis() as u64, "accept failed; listener stays up");
-                if !pause.is_zero() {
-                    tokio::select! {
-                        _ = stop.changed() => break,
-                        _ = tokio::time::sleep(pause) => {}
-                    }
-                }
-            }
+    let on_accept = |a: Accepted| match decide(&inst.gate, &a.peer) {
+        Decision::Admit => {
+            tracing::info!(app = %inst.app, service = %inst.service, peer = %a.peer,
+                reason = "declared by app, peer is the app's VM", "admitted");
+            tokio::spawn(serve_conn(inst.clone(), a.conn, a.peer));
         }
+        Decision::Refuse(reason) => {
+            tracing::warn!(app = %inst.app, service = %inst.service, peer = %a.peer,
+                reason = %reason, "refused");
+        }
+    };
+    let on_error = |e: &io::Error, _class: Failure, pause: Duration| {
+        tracing::error!(app = %inst.app, service = %inst.service, error = %e,
+            pause_ms = pause.as_millis() as u64, "accept failed; listener stays up");
+    };
+    tokio::select! {
+        _ = stop.changed() => {}
+        () = accept::run(&listener, accept::Options::default(), on_accept, on_error) => {}
     }
 }
 
@@ -233,23 +212,6 @@ pub async fn dovecot_session(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn exhaustion_backs_off_and_grows_to_a_cap() {
-        let emfile = io::Error::from_raw_os_error(libc::EMFILE);
-        let first = accept_backoff(&emfile, Duration::ZERO);
-        assert_eq!(first, Duration::from_millis(10));
-        assert_eq!(accept_backoff(&emfile, first), Duration::from_millis(20));
-        assert_eq!(
-            accept_backoff(&emfile, Duration::from_secs(5)),
-            Duration::from_secs(1)
-        );
-        let aborted = io::Error::from_raw_os_error(libc::ECONNABORTED);
-        assert_eq!(
-            accept_backoff(&aborted, Duration::from_secs(1)),
-            Duration::ZERO
-        );
-    }
 
     #[test]
     fn instances_follow_the_config() {

@@ -6,9 +6,9 @@
 
 use std::net::IpAddr;
 
-use guest_init::endpoint::Conn;
 use host_relay::dovecot::{GuestFilter, Policy, RipRule, DEFAULT_ALLOW_FIELDS};
 use proptest::prelude::*;
+use vm_transport::Conn;
 
 const APP: &str = "100.64.0.7";
 

@@ -6,8 +6,6 @@
 //!   KVM-or-TCG decision, made by trying.
 //! - [`process`]: supervised child processes that never outlive the harness.
 //! - [`hybrid`]: host-to-guest connections through the VM's hybrid vsock socket.
-//! - [`radicale_rootfs`]: the cached ext4 root disk of the Radicale guest (Python 3.11 from
-//!   Debian, Radicale 3.9.0 from PyPI).
 //! - [`vm`]: [`VmSpec`] and [`Vm`]: boot, wait for ready, connect, stop, clean up.
 //!
 //! The guest test program `guest-probe` (`src/bin/guest-probe.rs`) is built from this
@@ -17,7 +15,6 @@ pub mod hybrid;
 pub mod kernel;
 pub mod process;
 pub mod qemu;
-pub mod radicale_rootfs;
 pub mod vm;
 
 use std::path::Path;

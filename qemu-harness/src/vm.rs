@@ -19,7 +19,7 @@
 //! While waiting, it watches QEMU and the vsock backend: if either dies, the wait ends
 //! at once with an error that quotes the console's and the process's last lines, instead
 //! of running into a timeout. (vhost-device-vsock 0.3.0 can die on a host client that
-//! closes too early; the harness's own connections never do, see `host_relay::hybrid`.)
+//! closes too early; the harness's own connections never do, see `vm_transport::hybrid`.)
 //!
 //! **Stop.** [`Vm::stop`] asks guest-init to stop over its vsock control port
 //! (`stop\n` → `ok stopping\n`, `docs/CONTRACTS.md`) and waits for QEMU to exit by

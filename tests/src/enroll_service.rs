@@ -31,7 +31,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine;
-use guest_init::endpoint::Endpoint;
 use guest_init::enroll::identity::Identity;
 use guest_init::enroll::protocol::{self, ErrorCode, Request, Response};
 use rcgen::{
@@ -39,6 +38,7 @@ use rcgen::{
     ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose, SanType,
 };
 use sha2::{Digest, Sha256};
+use vm_transport::Endpoint;
 
 /// The longest token lifetime the service registers.
 pub const MAX_TOKEN_LIFETIME: Duration = Duration::from_secs(15 * 60);
@@ -271,7 +271,7 @@ impl Inner {
             .unwrap_or(0)
     }
 
-    async fn serve(self: Arc<Self>, mut conn: guest_init::endpoint::Conn, vm_uid: &str) {
+    async fn serve(self: Arc<Self>, mut conn: vm_transport::Conn, vm_uid: &str) {
         let line = tokio::time::timeout(
             Duration::from_secs(10),
             protocol::read_line(&mut conn, protocol::MAX_LINE),

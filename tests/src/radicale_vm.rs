@@ -15,7 +15,7 @@
 //! Everything on that path is the real program: Debian's cloud kernel under QEMU (TCG
 //! here), `vhost-device-vsock`, the static `guest-init` and `host-relay`, Radicale from
 //! PyPI with its stock `[auth] type = dovecot` configuration on a root disk
-//! ([`qemu_harness::radicale_rootfs`]), and Dovecot from Debian ([`crate::dovecot`]).
+//! ([`crate::radicale_rootfs`]), and Dovecot from Debian ([`crate::dovecot`]).
 //!
 //! # What it shows (the threat it is about)
 //!
@@ -80,7 +80,7 @@ pub fn guest_modules() -> Vec<String> {
 
 /// guest-init's configuration for the Radicale VM.
 pub fn guest_config() -> Value {
-    use qemu_harness::radicale_rootfs as r;
+    use crate::radicale_rootfs as r;
     json!({
         "version": 1,
         "hostname": "radicale-vm",
@@ -283,7 +283,7 @@ pub struct Scenario {
     /// Each phase, in order.
     pub phases: Vec<Phase>,
     /// The root disk used (its cache entry).
-    pub rootfs: qemu_harness::radicale_rootfs::RadicaleRootfs,
+    pub rootfs: crate::radicale_rootfs::RadicaleRootfs,
     /// From QEMU's start to guest-init's ready line.
     pub boot_to_ready: Duration,
     /// From QEMU's start to Radicale's first HTTP answer.
@@ -318,8 +318,8 @@ impl Scenario {
         let mut t = Instant::now();
 
         // Root disk: cached by its inputs; the VM writes to a private sparse copy.
-        let rootfs = qemu_harness::radicale_rootfs::ensure(
-            &qemu_harness::radicale_rootfs::RootfsOptions::new(&cache),
+        let rootfs = crate::radicale_rootfs::ensure(
+            &crate::radicale_rootfs::RootfsOptions::new(&cache),
             &mut |line| eprintln!("[rootfs] {line}"),
         )
         .map_err(|e| ScenarioError::new("root disk", e))?;
@@ -337,7 +337,7 @@ impl Scenario {
                 rootfs.image.display(),
                 rootfs.image_bytes >> 20,
                 rootfs.content_bytes >> 20,
-                qemu_harness::radicale_rootfs::RADICALE_VERSION
+                crate::radicale_rootfs::RADICALE_VERSION
             ),
             lap(&mut t),
         );
@@ -379,7 +379,7 @@ impl Scenario {
         spec.net = Some(qemu_harness::UserNet {
             forwards: vec![(
                 format!("127.0.0.1:{port}"),
-                qemu_harness::radicale_rootfs::RADICALE_PORT,
+                crate::radicale_rootfs::RADICALE_PORT,
             )],
         });
         spec.control_port = CONTROL_PORT;
@@ -419,7 +419,7 @@ impl Scenario {
             "radicale",
             format!(
                 "HTTP answers at {http} (python3 -m radicale as uid {})",
-                qemu_harness::radicale_rootfs::RADICALE_UID
+                crate::radicale_rootfs::RADICALE_UID
             ),
             lap(&mut t),
         );
@@ -509,7 +509,7 @@ fn harness_phase_detail(
              guest :{}",
             vm.accel().name(),
             spec.memory_mib,
-            qemu_harness::radicale_rootfs::RADICALE_PORT
+            crate::radicale_rootfs::RADICALE_PORT
         ),
         "ready" => format!(
             "{} (boot-to-ready {:.2} s)",

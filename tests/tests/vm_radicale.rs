@@ -119,7 +119,7 @@ fn radicale_in_a_vm_signs_in_through_the_relay_and_dovecot_never_sees_the_gatewa
 /// path, the guest's Python, and storage owned by the `radicale` user only.
 #[test]
 fn radicale_root_disk_has_the_stock_dovecot_config_and_a_private_storage_dir() {
-    use qemu_harness::radicale_rootfs::{self as r, RootfsOptions};
+    use e2e::radicale_rootfs::{self as r, RootfsOptions};
     let req = Requirements::check();
     let have_debugfs =
         util::have_program("debugfs") || std::path::Path::new("/usr/sbin/debugfs").exists();

@@ -25,7 +25,7 @@ use zeroize::Zeroizing;
 
 use super::material::{hex, Token};
 use super::protocol::{self, ErrorCode, Request, Response, Status};
-use crate::endpoint::Endpoint;
+use vm_transport::Endpoint;
 
 /// Backoff and attempt limits.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

@@ -42,7 +42,7 @@ use sha2::{Digest, Sha256};
 use zeroize::Zeroizing;
 
 use super::identity::Identity;
-use crate::endpoint::{Conn, Endpoint, Peer};
+use vm_transport::{Conn, Endpoint, Peer};
 
 /// The largest bootstrap document accepted.
 pub const MAX_MATERIAL_BYTES: usize = 4096;
@@ -335,7 +335,7 @@ pub async fn receive_push(listen: &Endpoint, read_timeout: Duration) -> io::Resu
 
 fn admit_pusher(conn: &Conn, peer: &Peer) -> Result<(), String> {
     match peer {
-        Peer::Vsock { cid, .. } if *cid == crate::endpoint::VMADDR_CID_HOST => Ok(()),
+        Peer::Vsock { cid, .. } if *cid == vm_transport::vsock::VMADDR_CID_HOST => Ok(()),
         Peer::Vsock { cid, .. } => Err(format!("peer CID {cid} is not the host (2)")),
         Peer::Unix => match conn.peer_cred() {
             Ok(c) if c.uid() == 0 => Ok(()),

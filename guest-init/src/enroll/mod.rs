@@ -49,7 +49,7 @@ use keystore::KeyStore;
 pub use protocol::ErrorCode;
 pub use state::Outcome;
 
-use crate::endpoint::Endpoint;
+use vm_transport::Endpoint;
 
 /// Where the bootstrap material comes from.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

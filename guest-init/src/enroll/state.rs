@@ -53,7 +53,8 @@ use super::identity::Identity;
 use super::keystore::{is_slot, KeyStore, MachineKey};
 use super::material::{hex, Material};
 use super::{files, verify, EnrollError};
-use crate::endpoint::{Endpoint, VMADDR_CID_HOST};
+use vm_transport::vsock::VMADDR_CID_HOST;
+use vm_transport::Endpoint;
 
 const PENDING: &str = "pending.json";
 const ENROLLED: &str = "enrolled.json";

@@ -6,8 +6,8 @@ use std::io;
 use std::path::Path;
 use std::time::Duration;
 
-use guest_init::endpoint::{Conn, Endpoint};
 use guest_init::forward::{DialPolicy, ServiceSpec};
+use vm_transport::{Conn, Endpoint};
 
 /// A xorshift64* generator: deterministic from its seed, so a failure is reproducible.
 #[derive(Clone, Debug)]

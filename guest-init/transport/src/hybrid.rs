@@ -21,7 +21,8 @@ use std::io;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use guest_init::endpoint::{Conn, Endpoint};
+use crate::conn::Conn;
+use crate::endpoint::Endpoint;
 
 /// Longest reply line accepted (`OK 1073741824\n` is 14 bytes).
 pub const MAX_REPLY: usize = 64;

@@ -25,27 +25,16 @@
 //! micro-VMs for the VM path under TCG, reported as a separate, informative table;
 //! [`report`] renders the tables and the JSON.
 
-#[path = "../bench/chain.rs"]
 mod chain;
-#[path = "../bench/client.rs"]
 mod client;
-#[path = "../bench/dovecot.rs"]
 mod dovecot;
-#[path = "../bench/echo.rs"]
 mod echo;
-#[path = "../bench/figures.rs"]
 mod figures;
-#[path = "../bench/guest.rs"]
 mod guest;
-#[path = "../bench/keygen.rs"]
 mod keygen;
-#[path = "../bench/paths.rs"]
 mod paths;
-#[path = "../bench/report.rs"]
 mod report;
-#[path = "../bench/stats.rs"]
 mod stats;
-#[path = "../bench/vm.rs"]
 mod vm;
 
 use std::path::PathBuf;

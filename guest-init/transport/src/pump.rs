@@ -17,81 +17,18 @@
 //!   can take data, then until its source has some, and only then takes a buffer from a
 //!   shared pool, for as long as that one chunk is in flight. Bytes that cannot move yet
 //!   wait in the kernel's socket buffers, not in ours. A burst of thousands of mostly idle
-//!   connections costs their sockets and task state, not 2 × 64 KiB each. (A naive relay
-//!   with two 256 KiB buffers per connection measured 550-900 MB after a 4,000-connection
-//!   burst here; see `docs/DESIGN.md`.) Waiting for the destination first matters in a
+//!   connections costs their sockets and task state, not 2 × 64 KiB each (the burst
+//!   figures are in `docs/BENCHMARKS.md`). Waiting for the destination first matters in a
 //!   burst: a freshly connected socket is reported writable only on the reactor's next
-//!   turn, and reading first held a buffer per new connection until then (1,700 at once
-//!   in a 5,000-connection burst, 30 MiB peak against 12 MiB for the live connections).
+//!   turn, and reading first would hold a buffer per new connection until then.
 //!   A buffer is still held across a wait when a destination takes only part of a chunk
 //!   (a vsock peer short of credit), one per such stalled direction.
 //!
-//! The pool keeps at most [`POOL_KEEP`] free buffers; more are freed, so memory returns to
-//! the system after a burst of bulk traffic.
+//! The buffers come from [`crate::pool`].
 
 use std::io;
-use std::sync::Mutex;
 
-use crate::endpoint::Conn;
-
-/// Size of one pooled buffer: large enough for bulk transfers to run at memory speed,
-/// and the largest single chunk the pump ever forwards.
-pub const CHUNK: usize = 64 * 1024;
-
-/// How many free buffers the pool keeps for reuse.
-pub const POOL_KEEP: usize = 64;
-
-static POOL: Mutex<Vec<Box<[u8]>>> = Mutex::new(Vec::new());
-
-/// A buffer on loan from the pool; it returns there when dropped.
-#[derive(Debug)]
-pub struct PooledBuf {
-    buf: Option<Box<[u8]>>,
-    len: usize,
-}
-
-impl PooledBuf {
-    /// Takes a free buffer from the pool, or allocates one.
-    pub fn take() -> Self {
-        let reused = POOL.lock().ok().and_then(|mut p| p.pop());
-        PooledBuf {
-            buf: Some(reused.unwrap_or_else(|| vec![0u8; CHUNK].into_boxed_slice())),
-            len: 0,
-        }
-    }
-
-    /// The whole buffer, to read into.
-    pub fn spare_mut(&mut self) -> &mut [u8] {
-        self.buf.as_deref_mut().unwrap_or_default()
-    }
-
-    /// Records how many bytes the read filled.
-    pub fn set_len(&mut self, len: usize) {
-        self.len = len.min(CHUNK);
-    }
-}
-
-impl std::ops::Deref for PooledBuf {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        &self.buf.as_deref().unwrap_or_default()[..self.len]
-    }
-}
-
-impl Drop for PooledBuf {
-    fn drop(&mut self) {
-        if let (Some(buf), Ok(mut pool)) = (self.buf.take(), POOL.lock()) {
-            if pool.len() < POOL_KEEP {
-                pool.push(buf);
-            }
-        }
-    }
-}
-
-/// Number of free buffers in the pool now (for tests and diagnostics).
-pub fn pooled_free() -> usize {
-    POOL.lock().map(|p| p.len()).unwrap_or(0)
-}
+use crate::conn::Conn;
 
 /// Bytes moved by [`relay`], and how each direction ended.
 #[derive(Debug)]
@@ -154,10 +91,11 @@ pub async fn relay(a: &Conn, b: &Conn) -> Totals {
 mod tests {
     use super::*;
     use crate::endpoint::Endpoint;
+    use crate::listener::listen;
 
     async fn pair(dir: &std::path::Path, name: &str) -> (Conn, Conn) {
         let ep = Endpoint::Unix(dir.join(name));
-        let l = ep.listen().unwrap();
+        let l = listen(&ep).unwrap();
         let (c, s) = tokio::join!(ep.connect(), l.accept());
         (c.unwrap(), s.unwrap().0)
     }

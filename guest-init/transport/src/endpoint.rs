@@ -1,0 +1,266 @@
+//! Stream endpoints: where a connection is accepted and where it is dialled.
+//!
+//! The guest forwards between three transports: Unix sockets (the app's unchanged paths,
+//! and the stand-in for vsock in tests), vsock (the VM boundary) and TCP (a guest service
+//! the host reaches). The host relay uses the same types. One [`Endpoint`] enum names
+//! them in configuration and on command lines; dialling one gives a [`Conn`], binding one
+//! gives a descriptor that [`crate::listener`] or [`crate::publish`] turns into a
+//! listener.
+//!
+//! Vsock is plain `AF_VSOCK` through `nix` rather than `tokio-vsock`: it is three system
+//! calls, and the raw descriptor is all [`Conn`] and the pump want.
+
+use std::fmt;
+use std::io;
+use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+use nix::sys::socket::{
+    self, AddressFamily, SockFlag, SockType, SockaddrStorage, UnixAddr, VsockAddr,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::conn::Conn;
+use crate::listener::Listener;
+use crate::vsock::VMADDR_PORT_ANY;
+
+/// The longest pause between connect attempts while a Unix listener's backlog is full.
+const BACKLOG_FULL_MAX_PAUSE: Duration = Duration::from_millis(50);
+
+/// Where a stream connection is made or accepted.
+///
+/// In JSON: `{"unix": "/run/x.sock"}`, `{"vsock": {"cid": 2, "port": 5001}}`,
+/// `{"tcp": "127.0.0.1:5232"}`. On a command line: `unix:/run/x.sock`, `vsock:2:5001`,
+/// `tcp:127.0.0.1:5232`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum Endpoint {
+    /// A Unix stream socket at an absolute path.
+    Unix(PathBuf),
+    /// A vsock address. To listen, `cid` is usually `u32::MAX` (`VMADDR_CID_ANY`).
+    Vsock {
+        /// Context id: 2 is the host, 1 is local loopback, guests are 3 and above.
+        cid: u32,
+        /// Port.
+        port: u32,
+    },
+    /// A TCP address.
+    Tcp(SocketAddr),
+}
+
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Endpoint::Unix(p) => write!(f, "unix:{}", p.display()),
+            Endpoint::Vsock { cid, port } => write!(f, "vsock:{cid}:{port}"),
+            Endpoint::Tcp(a) => write!(f, "tcp:{a}"),
+        }
+    }
+}
+
+/// An endpoint string that could not be parsed.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("invalid endpoint {input:?}: {reason}; expected unix:/abs/path, vsock:CID:PORT or tcp:HOST:PORT")]
+pub struct ParseEndpointError {
+    input: String,
+    reason: &'static str,
+}
+
+impl FromStr for Endpoint {
+    type Err = ParseEndpointError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let err = |reason| ParseEndpointError {
+            input: s.to_owned(),
+            reason,
+        };
+        let (scheme, rest) = s.split_once(':').ok_or_else(|| err("missing scheme"))?;
+        match scheme {
+            "unix" => {
+                let p = PathBuf::from(rest);
+                if !p.is_absolute() {
+                    return Err(err("a unix path must be absolute"));
+                }
+                Ok(Endpoint::Unix(p))
+            }
+            "vsock" => {
+                let (cid, port) = rest.split_once(':').ok_or_else(|| err("missing port"))?;
+                Ok(Endpoint::Vsock {
+                    cid: cid.parse().map_err(|_| err("CID is not a 32-bit number"))?,
+                    port: port
+                        .parse()
+                        .map_err(|_| err("port is not a 32-bit number"))?,
+                })
+            }
+            "tcp" => Ok(Endpoint::Tcp(
+                rest.parse().map_err(|_| err("not an IP:port address"))?,
+            )),
+            _ => Err(err("unknown scheme")),
+        }
+    }
+}
+
+impl Endpoint {
+    /// Checks what can be checked without touching the system; `field` names the
+    /// configuration field in the message.
+    pub fn validate(&self) -> Result<(), String> {
+        match self {
+            Endpoint::Unix(p) if !p.is_absolute() => match p.to_str() {
+                // The endpoint syntax of other fields (and of the logs) where a plain path
+                // is expected.
+                Some(s) if s.starts_with("unix:/") => Err(format!(
+                    "unix path {s} is relative: this field takes a plain path; write {}",
+                    &s["unix:".len()..]
+                )),
+                _ => Err(format!(
+                    "unix path {} is relative; use an absolute path",
+                    p.display()
+                )),
+            },
+            Endpoint::Unix(p) if p.as_os_str().len() >= 108 => Err(format!(
+                "unix path {} is longer than the 107 bytes a socket address holds",
+                p.display()
+            )),
+            Endpoint::Vsock { port, .. } if *port == VMADDR_PORT_ANY => {
+                Err("vsock port 4294967295 (VMADDR_PORT_ANY) cannot be dialled".into())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Dials the endpoint. The returned connection is non-blocking and registered.
+    pub async fn connect(&self) -> io::Result<Conn> {
+        match self {
+            Endpoint::Unix(path) => {
+                // A full listen backlog makes a non-blocking Unix connect fail with EAGAIN,
+                // where the blocking connect an app makes natively waits for room. Wait the
+                // same way, so a burst is queued rather than refused; the caller bounds the
+                // whole connect with its own timeout.
+                let mut pause = Duration::from_millis(1);
+                loop {
+                    match tokio::net::UnixStream::connect(path).await {
+                        Ok(s) => return Conn::from_owned(OwnedFd::from(s.into_std()?)),
+                        Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
+                            tokio::time::sleep(pause).await;
+                            pause = (pause * 2).min(BACKLOG_FULL_MAX_PAUSE);
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
+            Endpoint::Tcp(addr) => {
+                let s = tokio::net::TcpStream::connect(addr).await?;
+                s.set_nodelay(true)?;
+                Conn::from_owned(OwnedFd::from(s.into_std()?))
+            }
+            Endpoint::Vsock { cid, port } => {
+                let fd = new_socket(AddressFamily::Vsock)?;
+                let addr = VsockAddr::new(*cid, *port);
+                let in_progress = match socket::connect(fd.as_raw_fd(), &addr) {
+                    Ok(()) => false,
+                    Err(nix::errno::Errno::EINPROGRESS) => true,
+                    Err(e) => return Err(e.into()),
+                };
+                let conn = Conn::from_owned(fd)?;
+                if in_progress {
+                    conn.connected().await?;
+                }
+                Ok(conn)
+            }
+        }
+    }
+
+    /// Binds and listens with the full backlog ([`crate::listener::listen`]). A Unix path
+    /// must not exist, and the file gets the process's umask; services publish Unix
+    /// sockets with [`crate::publish`] instead.
+    pub fn listen(&self) -> io::Result<Listener> {
+        crate::listener::listen(self)
+    }
+
+    /// Binds and listens with an explicit backlog.
+    pub fn listen_with_backlog(&self, backlog: i32) -> io::Result<Listener> {
+        let fd = self.bind()?;
+        crate::listener::listen_with_backlog(&fd, backlog)?;
+        Listener::from_listening_fd(fd, self.clone())
+    }
+
+    /// Creates a non-blocking socket bound to the endpoint, not yet listening. A Unix
+    /// socket file is made with the process's umask: to publish one with a chosen owner and
+    /// mode, use [`crate::publish`] instead.
+    pub fn bind(&self) -> io::Result<OwnedFd> {
+        Ok(match self {
+            Endpoint::Unix(path) => {
+                let fd = new_socket(AddressFamily::Unix)?;
+                socket::bind(fd.as_raw_fd(), &UnixAddr::new(path.as_path())?)?;
+                fd
+            }
+            Endpoint::Vsock { cid, port } => {
+                let fd = new_socket(AddressFamily::Vsock)?;
+                socket::bind(fd.as_raw_fd(), &VsockAddr::new(*cid, *port))?;
+                fd
+            }
+            Endpoint::Tcp(addr) => {
+                let family = if addr.is_ipv4() {
+                    AddressFamily::Inet
+                } else {
+                    AddressFamily::Inet6
+                };
+                let fd = new_socket(family)?;
+                socket::setsockopt(&fd, socket::sockopt::ReuseAddr, &true)?;
+                socket::bind(fd.as_raw_fd(), &SockaddrStorage::from(*addr))?;
+                fd
+            }
+        })
+    }
+
+    /// The Unix path, if this is a Unix endpoint.
+    pub fn unix_path(&self) -> Option<&Path> {
+        match self {
+            Endpoint::Unix(p) => Some(p),
+            _ => None,
+        }
+    }
+}
+
+pub(crate) fn new_socket(family: AddressFamily) -> io::Result<OwnedFd> {
+    Ok(socket::socket(
+        family,
+        SockType::Stream,
+        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+        None,
+    )?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_prints_endpoints() {
+        for s in [
+            "unix:/run/a.sock",
+            "vsock:2:5001",
+            "tcp:127.0.0.1:5232",
+            "tcp:[::1]:80",
+        ] {
+            let e: Endpoint = s.parse().unwrap();
+            assert_eq!(e.to_string(), s);
+        }
+        assert!("unix:relative".parse::<Endpoint>().is_err());
+        assert!("vsock:2".parse::<Endpoint>().is_err());
+        assert!("vsock:x:1".parse::<Endpoint>().is_err());
+        assert!("http://x".parse::<Endpoint>().is_err());
+    }
+
+    #[test]
+    fn json_form() {
+        let e: Endpoint = serde_json::from_str(r#"{"vsock":{"cid":2,"port":5001}}"#).unwrap();
+        assert_eq!(e, Endpoint::Vsock { cid: 2, port: 5001 });
+        let e: Endpoint = serde_json::from_str(r#"{"unix":"/run/x"}"#).unwrap();
+        assert_eq!(e, Endpoint::Unix("/run/x".into()));
+        assert!(serde_json::from_str::<Endpoint>(r#"{"pipe":"/x"}"#).is_err());
+    }
+}
