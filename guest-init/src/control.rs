@@ -5,18 +5,26 @@
 //! `ok pong\n`; anything else answers `error unknown command\n`. The listener is usually
 //! vsock port 1024 (`{"vsock": {"cid": 4294967295, "port": 1024}}`); tests use a Unix path.
 //!
-//! Threat: who may stop the VM. On vsock only the host can connect to a guest port (other
-//! VMs cannot reach this VM's vsock), and stopping is what the host can do anyway by
-//! killing the VMM, so the port grants nothing new. A Unix path is reachable by processes
-//! inside the VM: the socket is created mode 0600 owned by root, so the app (which runs as
-//! its own user without capabilities) cannot stop its own VM through it.
+//! Threat: who may stop the VM. Stopping is what the host can do anyway by killing the
+//! VMM, so the port grants the host nothing new; it must grant nobody else anything.
+//! Other VMs cannot reach this VM's vsock, but the guest itself can: once the
+//! `vsock_loopback` transport is loaded, a process inside the VM connects to the guest's
+//! own port from CID 1 (`VMADDR_CID_LOCAL`), and the app could stop its own VM. The peer
+//! CID of a vsock connection is set by the kernel, never by the peer, so [`admit`] takes a
+//! vsock peer only from CID 2 (`VMADDR_CID_HOST`): the host (through a hybrid-vsock VMM
+//! or vhost-vsock, host-initiated connections arrive from CID 2). Every other peer (CID 1,
+//! another guest's CID, a TCP peer, which nothing distinguishes from the app or the
+//! network) is answered `ERR not the host`, closed, and logged with its address, before
+//! any request is read. A Unix path is reachable only by processes inside the VM: the
+//! socket is created mode 0600 owned by root, so the app (which runs as its own user
+//! without capabilities) cannot connect to it; tests use it.
 //!
 //! Robustness: each connection is its own task, with a bounded line (64 bytes) and a read
 //! timeout, so a client that sends garbage or nothing affects only itself, and errors end
 //! only that connection, never the accept loop. After `ok stopping` the reply is
 //! half-closed and the task waits briefly for the host's end of stream before it triggers
 //! the shutdown: a guest that writes and powers off at once can lose its last bytes on
-//! vsock (`shared/notes/vm-and-vsock.md`).
+//! vsock.
 
 use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
@@ -25,7 +33,13 @@ use tokio::sync::mpsc::UnboundedSender;
 use tokio::task::JoinHandle;
 
 use crate::{debug, warn};
-use vm_transport::{Conn, Endpoint, Listener};
+use vm_transport::vsock::VMADDR_CID_HOST;
+use vm_transport::{Conn, Endpoint, Listener, Peer};
+
+/// The host's vsock CID.
+pub const HOST_CID: u32 = VMADDR_CID_HOST;
+/// The answer to a peer that is not the host.
+const REFUSED: &[u8] = b"ERR not the host\n";
 
 /// Longest request line accepted.
 const MAX_LINE: usize = 64;
@@ -82,6 +96,15 @@ async fn accept_loop(listener: Listener, stop: UnboundedSender<()>) {
     loop {
         match listener.accept().await {
             Ok((conn, peer)) => {
+                if !admit(&peer) {
+                    warn!("control: refused {peer}: not the host (only vsock CID {HOST_CID} may stop this VM)");
+                    tokio::spawn(async move {
+                        let _ = tokio::time::timeout(LINGER, conn.write_all(REFUSED)).await;
+                        let _ = conn.shutdown_write();
+                        linger(&conn).await;
+                    });
+                    continue;
+                }
                 let stop = stop.clone();
                 tokio::spawn(async move {
                     if let Err(e) = serve(conn, &stop).await {
@@ -95,6 +118,16 @@ async fn accept_loop(listener: Listener, stop: UnboundedSender<()>) {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
+    }
+}
+
+/// Whether `peer` may use the control port: on vsock only the host (CID 2); Unix peers
+/// (the socket is root-only, mode 0600); never TCP.
+pub fn admit(peer: &Peer) -> bool {
+    match peer {
+        Peer::Vsock { cid, .. } => *cid == HOST_CID,
+        Peer::Unix => true,
+        Peer::Tcp(_) => false,
     }
 }
 
@@ -140,6 +173,16 @@ async fn read_line(conn: &Conn) -> std::io::Result<Vec<u8>> {
     }
 }
 
+/// Waits briefly for the peer's end of stream after a half-close, so the last answer is
+/// not lost to a reset when the connection closes with unread input.
+async fn linger(conn: &Conn) {
+    let mut b = [0u8; 16];
+    let _ = tokio::time::timeout(LINGER, async {
+        while matches!(conn.read(&mut b).await, Ok(n) if n > 0) {}
+    })
+    .await;
+}
+
 async fn serve(conn: Conn, stop: &UnboundedSender<()>) -> std::io::Result<()> {
     let line = match tokio::time::timeout(READ_TIMEOUT, read_line(&conn)).await {
         Ok(r) => r?,
@@ -152,11 +195,7 @@ async fn serve(conn: Conn, stop: &UnboundedSender<()>) -> std::io::Result<()> {
             let reply = conn.write_all(b"ok stopping\n").await;
             if reply.is_ok() {
                 let _ = conn.shutdown_write();
-                let mut b = [0u8; 16];
-                let _ = tokio::time::timeout(LINGER, async {
-                    while matches!(conn.read(&mut b).await, Ok(n) if n > 0) {}
-                })
-                .await;
+                linger(&conn).await;
             }
             // The host asked; stop even if it left before reading the answer.
             let _ = stop.send(());
@@ -215,6 +254,43 @@ mod tests {
             .await
             .unwrap()
             .unwrap();
+    }
+
+    #[test]
+    fn only_the_host_cid_is_admitted_on_vsock() {
+        let vsock = |cid| Peer::Vsock { cid, port: 49152 };
+        assert!(admit(&vsock(2)), "the host");
+        // 1: a process inside this VM over vsock_loopback; 3: this or another guest;
+        // 0: the hypervisor; u32::MAX: VMADDR_CID_ANY, never a real peer.
+        for cid in [0, 1, 3, 4, 1000, u32::MAX] {
+            assert!(!admit(&vsock(cid)), "cid {cid} must be refused");
+        }
+        assert!(admit(&Peer::Unix), "the root-only Unix socket, as today");
+        assert!(!admit(&Peer::Tcp("127.0.0.1:5000".parse().unwrap())));
+    }
+
+    #[tokio::test]
+    async fn a_peer_that_is_not_the_host_cannot_stop_the_vm() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        // A real listener whose peers are never the host: TCP on loopback, the same
+        // accept path a vsock peer from CID 1 takes.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let ep = Endpoint::Tcp(format!("127.0.0.1:{port}").parse().unwrap());
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let _h = start(&ep, tx).unwrap();
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        s.write_all(b"stop\n").await.unwrap();
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).await.unwrap();
+        assert_eq!(out, b"ERR not the host\n");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(rx.try_recv().is_err(), "a refused peer stopped the VM");
     }
 
     #[test]

@@ -305,12 +305,7 @@ impl Config {
             Mode::Unix => {}
         }
         if let Some(r) = &self.run_as {
-            if r.uid == 0 {
-                return Err(invalid(
-                    "run_as.uid",
-                    "0 is root: the service would see root, not the app; give the app's uid or omit run_as",
-                ));
-            }
+            crate::privileges::check_run_as(r).map_err(|e| invalid(e.field, e.reason))?;
         }
         if self.services.is_empty() {
             return Err(invalid(
@@ -523,6 +518,12 @@ mod tests {
         let mut v = base();
         v["run_as"] = serde_json::json!({"uid": 0, "gid": 0});
         assert!(err(v).starts_with("run_as.uid"));
+        let mut v = base();
+        v["run_as"] = serde_json::json!({"uid": 1000, "gid": 0});
+        assert!(err(v).starts_with("run_as.gid"));
+        let mut v = base();
+        v["run_as"] = serde_json::json!({"uid": 1000, "gid": 1000, "groups": [5, 0]});
+        assert!(err(v).starts_with("run_as.groups[1]"));
         let mut v = base();
         v["mode"] = "unix".into();
         assert!(err(v).starts_with("services[0].listen"));
