@@ -57,6 +57,7 @@ use crate::endpoint::{Endpoint, VMADDR_CID_HOST};
 
 const PENDING: &str = "pending.json";
 const ENROLLED: &str = "enrolled.json";
+const FLOOR: &str = "floor.json";
 const MAX_RECORD: usize = 4096;
 const MAX_DER: usize = 16 * 1024;
 
@@ -69,6 +70,14 @@ struct PendingRecord {
     identity: Identity,
     slot: String,
     token_sha256: String,
+}
+
+/// The highest revocation epoch the service has confirmed (a certificate received and
+/// verified). Only ever raised; never removed with a key.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FloorRecord {
+    epoch: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -118,6 +127,10 @@ pub struct Enroller<'a> {
     pub timeout: Duration,
     /// Retry policy.
     pub retry: RetryPolicy,
+    /// The material was pushed (anyone on the host may push): a final refusal of it, or a
+    /// certificate that fails verification, discards its pending CSR and key, so the
+    /// guest can wait for another push instead of keeping a rogue document's state.
+    pub discard_refused: bool,
 }
 
 fn state_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> EnrollError {
@@ -205,12 +218,34 @@ impl Enroller<'_> {
         Ok(())
     }
 
+    /// The confirmed epoch floor (`floor.json`), `None` before the first certificate.
+    fn floor(&self) -> Result<Option<u64>, EnrollError> {
+        Ok(self.read_record::<FloorRecord>(FLOOR)?.map(|f| f.epoch))
+    }
+
+    /// Raises the floor to `epoch` (never lowers it); durable before it returns.
+    fn raise_floor(&self, current: Option<u64>, epoch: u64) -> Result<(), EnrollError> {
+        if current.is_some_and(|f| f >= epoch) {
+            return Ok(());
+        }
+        self.write_record(FLOOR, &FloorRecord { epoch })
+    }
+
     async fn run_locked(&self, material: Option<Material>) -> Result<Outcome, EnrollError> {
+        let mut floor = self.floor()?;
         let mut enrolled: Option<EnrolledRecord> = self.read_record(ENROLLED)?;
         let pending: Option<PendingRecord> = self.read_record(PENDING)?;
 
+        // An enrolled record is a confirmed epoch: carry it into the floor first (state
+        // written before the floor record existed), so voiding the record below cannot
+        // lower it.
+        if let Some(e) = &enrolled {
+            self.raise_floor(floor, e.identity.epoch)?;
+            floor = Some(floor.map_or(e.identity.epoch, |f| f.max(e.identity.epoch)));
+        }
+
         // An enrolled record whose key the store no longer has (memory store after a
-        // restart) is void: the VM re-enrolls.
+        // restart) is void: the VM re-enrolls. The floor stays.
         if let Some(e) = &enrolled {
             if !is_slot(&e.slot) || self.store.open(&e.slot)?.is_none() {
                 crate::info!(
@@ -236,46 +271,65 @@ impl Enroller<'_> {
         let id = material.identity();
         let uri = id.uri();
 
-        // 1. The epoch floor.
-        if let Some(e) = &enrolled {
-            if id.epoch < e.identity.epoch {
-                return Err(EnrollError::EpochRollback {
-                    offered: id.epoch,
-                    floor: e.identity.epoch,
-                    what: "enrolled",
-                });
-            }
-        }
-        if let Some(p) = &pending {
-            if id.epoch < p.identity.epoch {
-                return Err(EnrollError::EpochRollback {
-                    offered: id.epoch,
-                    floor: p.identity.epoch,
-                    what: "pending",
-                });
-            }
+        // 1. The epoch floor: only epochs the service confirmed. A pending record is not
+        //    a floor (anyone who can push material could set it).
+        if let Some(f) = floor.filter(|f| id.epoch < *f) {
+            return Err(EnrollError::EpochRollback {
+                offered: id.epoch,
+                floor: f,
+            });
         }
 
-        // 2. Already enrolled for this identity with a valid certificate.
+        // 2. Already enrolled for this identity. Only a certificate that fails
+        //    verification (or is missing) leads back to the service, and then with the
+        //    stored key and CSR: never a second CSR for a token. Any other failure (the
+        //    key store, the publish directory) is an error of this run.
+        let mut reuse: Option<Prepared> = None;
         if let Some(e) = enrolled.as_ref().filter(|e| e.identity == id) {
-            match self.republish(e).await {
-                Ok(o) => {
+            let key = self.store.open(&e.slot)?.ok_or(EnrollError::KeyLost)?;
+            let check = match self.read_slot_file(&e.slot, "crt")? {
+                Some(c) => verify::verify(&c, key.public_sec1(), &e.identity, SystemTime::now())
+                    .map(|()| c),
+                None => Err("the enrolled certificate file is missing".to_owned()),
+            };
+            match check {
+                Ok(cert) => {
+                    self.publish(&cert)?;
                     if pending.is_some() {
                         files::remove_durable(&self.state_dir, PENDING)
                             .map_err(state_err("remove pending.json"))?;
                     }
-                    return Ok(o);
+                    crate::info!("enroll: already enrolled as {uri}");
+                    return Ok(Outcome::AlreadyEnrolled {
+                        uri,
+                        slot: e.slot.clone(),
+                    });
                 }
-                Err(err) => crate::info!(
-                    "enroll: the enrolled certificate is unusable ({err}); enrolling again"
-                ),
+                Err(why) => {
+                    let csr = self.read_slot_file(&e.slot, "csr")?.ok_or_else(|| {
+                        EnrollError::BadCertificate(format!(
+                            "{why}; and the enrolled CSR {}.csr is missing, so it cannot be re-sent",
+                            e.slot
+                        ))
+                    })?;
+                    crate::info!(
+                        "enroll: the enrolled certificate is unusable ({why}); re-sending the stored CSR of key {}",
+                        e.slot
+                    );
+                    reuse = Some(Prepared {
+                        slot: e.slot.clone(),
+                        key,
+                        csr,
+                    });
+                }
             }
         }
 
         // 3./4. The key and the exact CSR bytes to send.
         let token_hash = material.token.sha256_hex();
-        let Prepared { slot, key, csr } = match pending {
-            Some(p) if p.identity == id => match self.resume(&p)? {
+        let Prepared { slot, key, csr } = match (reuse, pending) {
+            (Some(prepared), _) => prepared,
+            (None, Some(p)) if p.identity == id => match self.resume(&p)? {
                 Some(prepared) => {
                     crate::info!(
                         "enroll: resuming the pending enrollment of {uri} (same key, same CSR)"
@@ -297,15 +351,17 @@ impl Enroller<'_> {
                     self.start(&id, &token_hash)?
                 }
             },
-            Some(p) => {
+            (None, Some(p)) => {
+                // Unconfirmed: whatever its epoch, material at or above the confirmed
+                // floor replaces it.
                 crate::info!(
-                    "enroll: new identity {uri} supersedes the pending {}; discarding its key",
+                    "enroll: new identity {uri} supersedes the unconfirmed pending {}; discarding its key",
                     p.identity.uri()
                 );
                 self.discard_pending(&p, enrolled.as_ref())?;
                 self.start(&id, &token_hash)?
             }
-            None => self.start(&id, &token_hash)?,
+            (None, None) => self.start(&id, &token_hash)?,
         };
 
         // 5. The exchange.
@@ -317,19 +373,39 @@ impl Enroller<'_> {
             "enroll: requesting a certificate for {uri} from {service} (csr sha256 {})",
             hex(&Sha256::digest(&csr))
         );
-        let cert = client::exchange(&service, &material.token, &csr, self.timeout, &self.retry)
-            .await
-            .map_err(|e| match e {
-                ExchangeError::Final { code, message } => EnrollError::Denied { code, message },
-                ExchangeError::Exhausted { attempts, last } => {
-                    EnrollError::Unavailable { attempts, last }
-                }
-            })?;
+        let exchanged =
+            client::exchange(&service, &material.token, &csr, self.timeout, &self.retry)
+                .await
+                .map_err(|e| match e {
+                    ExchangeError::Final { code, message } => EnrollError::Denied { code, message },
+                    ExchangeError::Exhausted { attempts, last } => {
+                        EnrollError::Unavailable { attempts, last }
+                    }
+                })
+                .and_then(|cert| {
+                    verify::verify(&cert, key.public_sec1(), &id, SystemTime::now())
+                        .map(|()| cert)
+                        .map_err(EnrollError::BadCertificate)
+                });
         drop(material);
+        let cert = match exchanged {
+            Ok(cert) => cert,
+            Err(e) => {
+                if self.discard_refused
+                    && matches!(
+                        e,
+                        EnrollError::Denied { .. } | EnrollError::BadCertificate(_)
+                    )
+                {
+                    self.abandon(&slot, enrolled.as_ref())?;
+                }
+                return Err(e);
+            }
+        };
 
-        // 6. Verify, store, publish, retire the old identity.
-        verify::verify(&cert, key.public_sec1(), &id, SystemTime::now())
-            .map_err(EnrollError::BadCertificate)?;
+        // 6. The service confirmed the epoch: raise the floor before anything depends on
+        //    it, then store, publish, retire the old identity.
+        self.raise_floor(floor, id.epoch)?;
         files::write_atomic(&self.state_dir, &format!("{slot}.crt"), &cert, 0o600)
             .map_err(state_err(format!("write {slot}.crt")))?;
         self.write_record(
@@ -356,6 +432,18 @@ impl Enroller<'_> {
             self.publish_dir.join(PUBLISHED_CERT).display()
         );
         Ok(Outcome::Enrolled { uri, slot })
+    }
+
+    /// Forgets refused material: its pending record, and its key unless it is the
+    /// enrolled one.
+    fn abandon(&self, slot: &str, enrolled: Option<&EnrolledRecord>) -> Result<(), EnrollError> {
+        crate::info!("enroll: discarding the refused material's pending CSR and key {slot}");
+        files::remove_durable(&self.state_dir, PENDING)
+            .map_err(state_err("remove pending.json"))?;
+        if enrolled.is_none_or(|e| e.slot != slot) {
+            self.remove_slot(slot)?;
+        }
+        Ok(())
     }
 
     /// Opens a pending slot's key and CSR; `None` when the key is gone.
@@ -441,31 +529,59 @@ impl Enroller<'_> {
         .map_err(state_err(format!("publish {PUBLISHED_CERT}")))
     }
 
-    /// Step 7: removes key, CSR and certificate files no record refers to.
+    /// Step 7: removes key, CSR and certificate files no record refers to. On any doubt
+    /// (a record or the store that cannot be read) it removes nothing: a transient error
+    /// must never delete the live key.
     fn collect_garbage(&self) {
-        let keep: Vec<String> = [
-            self.read_record::<EnrolledRecord>(ENROLLED)
-                .ok()
-                .flatten()
-                .map(|r| r.slot),
-            self.read_record::<PendingRecord>(PENDING)
-                .ok()
-                .flatten()
-                .map(|r| r.slot),
-        ]
-        .into_iter()
-        .flatten()
-        .collect();
-        let mut slots = self.store.slots().unwrap_or_default();
-        if let Ok(rd) = std::fs::read_dir(&self.state_dir) {
-            for e in rd.flatten() {
-                let name = e.file_name();
-                let name = name.to_string_lossy();
-                if let Some((slot, _)) = name.split_once('.') {
-                    if is_slot(slot) && (name.ends_with(".csr") || name.ends_with(".crt")) {
-                        slots.push(slot.to_owned());
+        let records = (|| -> Result<Vec<String>, EnrollError> {
+            Ok([
+                self.read_record::<EnrolledRecord>(ENROLLED)?
+                    .map(|r| r.slot),
+                self.read_record::<PendingRecord>(PENDING)?.map(|r| r.slot),
+            ]
+            .into_iter()
+            .flatten()
+            .collect())
+        })();
+        let keep = match records {
+            Ok(k) => k,
+            Err(e) => {
+                crate::warn!("enroll: leftover slots not collected: {e}");
+                return;
+            }
+        };
+        let mut slots = match self.store.slots() {
+            Ok(s) => s,
+            Err(e) => {
+                crate::warn!("enroll: leftover slots not collected: {e}");
+                return;
+            }
+        };
+        match std::fs::read_dir(&self.state_dir) {
+            Ok(rd) => {
+                for e in rd {
+                    let Ok(e) = e else {
+                        crate::warn!(
+                            "enroll: leftover slots not collected: cannot list {}",
+                            self.state_dir.display()
+                        );
+                        return;
+                    };
+                    let name = e.file_name();
+                    let name = name.to_string_lossy();
+                    if let Some((slot, _)) = name.split_once('.') {
+                        if is_slot(slot) && (name.ends_with(".csr") || name.ends_with(".crt")) {
+                            slots.push(slot.to_owned());
+                        }
                     }
                 }
+            }
+            Err(e) => {
+                crate::warn!(
+                    "enroll: leftover slots not collected: cannot list {}: {e}",
+                    self.state_dir.display()
+                );
+                return;
             }
         }
         for slot in slots {
