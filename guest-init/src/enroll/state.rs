@@ -597,3 +597,82 @@ impl Enroller<'_> {
 pub fn published_cert(publish_dir: &Path) -> PathBuf {
     publish_dir.join(PUBLISHED_CERT)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::enroll::file_store::FileKeyStore;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn enroller<'a>(dir: &Path, store: &'a dyn KeyStore) -> Enroller<'a> {
+        Enroller {
+            state_dir: dir.to_path_buf(),
+            publish_dir: dir.with_extension("publish"),
+            store,
+            service: None,
+            timeout: Duration::from_secs(1),
+            retry: RetryPolicy::default(),
+            discard_refused: false,
+        }
+    }
+
+    fn id() -> Identity {
+        Identity {
+            workspace_namespace: "ns".into(),
+            workspace_name: "ws".into(),
+            workspace_uid: "wu".into(),
+            vm_uid: "vm".into(),
+            epoch: 3,
+        }
+    }
+
+    #[test]
+    fn a_record_that_cannot_be_read_makes_garbage_collection_keep_everything() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("state");
+        let store = FileKeyStore::open_dir(&dir).unwrap();
+        let e = enroller(&dir, &store);
+        let (live, _) = store.generate().unwrap();
+        let (leftover, _) = store.generate().unwrap();
+        e.write_record(
+            ENROLLED,
+            &EnrolledRecord {
+                identity: id(),
+                slot: live.clone(),
+            },
+        )
+        .unwrap();
+
+        // Readable records: only the leftover goes.
+        e.collect_garbage();
+        assert!(store.open(&live).unwrap().is_some());
+        assert!(store.open(&leftover).unwrap().is_none());
+
+        // The enrolled record cannot be read (here: its mode was loosened, which the
+        // private read refuses): doubt, so nothing is removed, the live key least of all.
+        let (leftover, _) = store.generate().unwrap();
+        let rec = dir.join(ENROLLED);
+        std::fs::set_permissions(&rec, std::fs::Permissions::from_mode(0o644)).unwrap();
+        e.collect_garbage();
+        assert!(
+            store.open(&live).unwrap().is_some(),
+            "the live key was deleted on a failed read"
+        );
+        assert!(store.open(&leftover).unwrap().is_some());
+    }
+
+    #[test]
+    fn the_floor_only_rises() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("state");
+        let store = FileKeyStore::open_dir(&dir).unwrap();
+        let e = enroller(&dir, &store);
+        assert_eq!(e.floor().unwrap(), None);
+        e.raise_floor(None, 5).unwrap();
+        assert_eq!(e.floor().unwrap(), Some(5));
+        e.raise_floor(Some(5), 4).unwrap();
+        assert_eq!(e.floor().unwrap(), Some(5));
+        e.raise_floor(Some(5), u64::MAX).unwrap();
+        assert_eq!(e.floor().unwrap(), Some(u64::MAX));
+    }
+}
