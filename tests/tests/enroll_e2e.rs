@@ -929,3 +929,36 @@ fn an_unwritable_publish_dir_never_makes_a_second_csr() {
     assert_eq!(env.svc.requests().len(), requests);
     env.assert_no_secrets();
 }
+
+#[test]
+fn a_damaged_certificate_is_fetched_again_with_the_stored_csr() {
+    // Finding C, the one case that goes back to the service: the enrolled certificate
+    // fails verification. The guest re-sends the stored CSR with the stored key (the
+    // service answers an identical CSR with the identical certificate); it never makes a
+    // new key and a second CSR for the already-used token.
+    let mut env = Env::new(&[VM], VM);
+    let token = env.provision(&identity(VM, 6));
+    let (code, out) = env.run_guest();
+    assert_eq!(code, 0, "{out}");
+    let keys = env.files_with(".key");
+    let crt = env.state().join(&env.files_with(".crt")[0]);
+    let mut f = std::fs::OpenOptions::new().write(true).open(&crt).unwrap();
+    f.write_all(b"garbage").unwrap();
+    drop(f);
+
+    let (code, out) = env.run_guest();
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("re-sending the stored CSR"), "{out}");
+    assert_eq!(
+        distinct_csrs(&env.svc).len(),
+        1,
+        "a second CSR was sent: {out}"
+    );
+    assert_eq!(env.files_with(".key"), keys, "a new key was made");
+    assert_eq!(
+        Some(std::fs::read(&crt).unwrap()),
+        env.svc.committed_cert(&token)
+    );
+    assert_eq!(Some(env.published()), env.svc.committed_cert(&token));
+    env.assert_no_secrets();
+}

@@ -327,6 +327,11 @@ impl Enroller<'_> {
 
         // 3./4. The key and the exact CSR bytes to send.
         let token_hash = material.token.sha256_hex();
+        // What a refused push undoes: a key and CSR made in this run are discarded; a
+        // resumed pending record (its CSR may be committed under another token) is kept
+        // as it was.
+        let mut made_here = false;
+        let mut resumed: Option<PendingRecord> = None;
         let Prepared { slot, key, csr } = match (reuse, pending) {
             (Some(prepared), _) => prepared,
             (None, Some(p)) if p.identity == id => match self.resume(&p)? {
@@ -334,6 +339,7 @@ impl Enroller<'_> {
                     crate::info!(
                         "enroll: resuming the pending enrollment of {uri} (same key, same CSR)"
                     );
+                    resumed = Some(p.clone());
                     if p.token_sha256 != token_hash {
                         self.write_record(
                             PENDING,
@@ -348,6 +354,7 @@ impl Enroller<'_> {
                 None if p.token_sha256 == token_hash => return Err(EnrollError::KeyLost),
                 None => {
                     self.discard_pending(&p, enrolled.as_ref())?;
+                    made_here = true;
                     self.start(&id, &token_hash)?
                 }
             },
@@ -359,9 +366,13 @@ impl Enroller<'_> {
                     p.identity.uri()
                 );
                 self.discard_pending(&p, enrolled.as_ref())?;
+                made_here = true;
                 self.start(&id, &token_hash)?
             }
-            (None, None) => self.start(&id, &token_hash)?,
+            (None, None) => {
+                made_here = true;
+                self.start(&id, &token_hash)?
+            }
         };
 
         // 5. The exchange.
@@ -397,7 +408,11 @@ impl Enroller<'_> {
                         EnrollError::Denied { .. } | EnrollError::BadCertificate(_)
                     )
                 {
-                    self.abandon(&slot, enrolled.as_ref())?;
+                    if made_here {
+                        self.abandon(&slot, enrolled.as_ref())?;
+                    } else if let Some(p) = resumed {
+                        self.write_record(PENDING, &p)?;
+                    }
                 }
                 return Err(e);
             }
