@@ -233,9 +233,9 @@ pub fn validate(cfg: &EnrollConfig) -> Result<(), String> {
             // Any host process may push: a pushed document must not choose where the
             // token goes and which service confirms the epoch.
             if cfg.service.is_none() {
-                return Err(format!(
-                    "service: required with bootstrap.push (a pushed document must not choose the enrollment service); set it, e.g. {{\"vsock\": {{\"cid\": 2, \"port\": 5002}}}}"
-                ));
+                return Err(
+                    "service: required with bootstrap.push (a pushed document must not choose the enrollment service); set it, e.g. {\"vsock\": {\"cid\": 2, \"port\": 5002}}".into(),
+                );
             }
         }
         _ => {}
@@ -440,5 +440,40 @@ pub fn cli_main(config_path: &std::path::Path) -> i32 {
     match rt.block_on(boot_step(&cfg)) {
         Ok(()) => 0,
         Err(e) => e.exit_code(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn section(json: serde_json::Value) -> EnrollConfig {
+        serde_json::from_value(json).unwrap()
+    }
+
+    #[test]
+    fn a_push_source_needs_a_configured_service() {
+        let push = serde_json::json!({"push": {"listen": {"unix": "/run/push.sock"}}});
+        let e = validate(&section(serde_json::json!({"bootstrap": push}))).unwrap_err();
+        assert!(
+            e.starts_with("service: required with bootstrap.push"),
+            "{e}"
+        );
+        validate(&section(serde_json::json!({
+            "bootstrap": push,
+            "service": {"vsock": {"cid": 2, "port": 5002}},
+        })))
+        .unwrap();
+    }
+
+    #[test]
+    fn the_subcommand_refuses_the_memory_store() {
+        let cfg = section(serde_json::json!({
+            "bootstrap": {"file": "/b.json"}, "key_store": "memory",
+        }));
+        validate(&cfg).unwrap();
+        let e = cli_check(&cfg).unwrap_err();
+        assert_eq!(e.exit_code(), 2);
+        assert!(e.to_string().contains("key_store"), "{e}");
     }
 }
