@@ -962,3 +962,94 @@ fn a_damaged_certificate_is_fetched_again_with_the_stored_csr() {
     assert_eq!(Some(env.published()), env.svc.committed_cert(&token));
     env.assert_no_secrets();
 }
+
+/// Spawns `guest-init enroll` with the push configuration and waits until it listens.
+fn spawn_push_guest(env: &Env) -> Child {
+    let cfg = env.push_config();
+    let sock = env.path("push.sock");
+    let mut child = Command::new(host_bin("guest-init"))
+        .args(["enroll", "--config"])
+        .arg(&cfg)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn guest-init");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !sock.exists() {
+        if let Some(st) = child.try_wait().unwrap() {
+            panic!("guest-init exited ({st}) before listening");
+        }
+        assert!(Instant::now() < deadline, "no push socket");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child
+}
+
+#[test]
+fn a_rogue_push_for_the_pending_identity_does_not_cost_the_pending_csr() {
+    // The crash window: the service committed the legitimate CSR, the guest died before
+    // the answer. After the restart a rogue pusher is first, with the same identity and
+    // its own token: the guest resumes the pending CSR under the rogue token, the service
+    // refuses it, and the pending record must survive, so the legitimate push then gets
+    // the committed certificate instead of a `csr_mismatch` for a second key.
+    let mut env = Env::new(&[VM], VM);
+    let id = identity(VM, 7);
+    let token = new_token("legit");
+    let expires = env
+        .svc
+        .register(&token, &id, Duration::from_secs(600))
+        .unwrap();
+    let legit = env.material_doc(&token, &id, expires);
+    let sock = env.path("push.sock");
+
+    env.svc.stall_after_commit();
+    let mut child = spawn_push_guest(&env);
+    assert_eq!(push(&sock, &legit), "ok\n");
+    wait_until("the service to commit and stall", || env.svc.stalled() == 1);
+    child.kill().unwrap();
+    let _ = env.finish(child);
+    env.svc.release_stall();
+    let committed = env.svc.committed_cert(&token).expect("committed");
+    let pending = std::fs::read(env.state().join("pending.json")).unwrap();
+
+    let mut child = spawn_push_guest(&env);
+    let rogue = new_token("rogue");
+    let doc = env.material_doc(&rogue, &id, 4_000_000_000);
+    assert_eq!(push(&sock, &doc), "ok\n");
+    wait_until("the service to refuse the rogue token", || {
+        env.svc
+            .requests()
+            .iter()
+            .any(|r| r.code == Some(ErrorCode::Denied))
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !sock.exists() {
+        if child.try_wait().unwrap().is_some() {
+            let (_, out) = env.finish(child);
+            panic!("guest-init gave up after the rogue push: {out}");
+        }
+        assert!(Instant::now() < deadline, "no second push socket");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        std::fs::read(env.state().join("pending.json")).unwrap(),
+        pending,
+        "the refused push changed the pending record"
+    );
+
+    assert_eq!(push(&sock, &legit), "ok\n");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            child.kill().unwrap();
+            let (_, out) = env.finish(child);
+            panic!("the legitimate push did not enroll: {out}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (code, out) = env.finish(child);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(distinct_csrs(&env.svc).len(), 1, "a second CSR was sent");
+    assert_eq!(env.published(), committed);
+    env.assert_no_secrets();
+}
