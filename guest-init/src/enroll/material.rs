@@ -30,7 +30,8 @@
 //! protection is its mode and the root-only directory it sits in.
 //!
 //! Threat: a loose or planted bootstrap file (mode, owner and symlink checks), a token
-//! leaking through logs or errors, and ambiguous or partial input changing the identity.
+//! leaking through logs or errors, ambiguous or partial input changing the identity, and
+//! a push listener deleting whatever file sits at its path.
 
 use std::fmt;
 use std::io;
@@ -288,6 +289,15 @@ pub fn read_file(path: &Path) -> Result<Option<Material>, MaterialError> {
 /// input values). A bad push is answered and the guest keeps listening, so one mistaken
 /// connection cannot make the VM give up; the first good one ends the wait. The material
 /// is kept in memory only: a restarted guest needs a new push.
+///
+/// CID 2 is *any* process on the host (under vhost-vsock, unprivileged users included),
+/// so a pushed document is not trusted to be the platform's: the caller sends it only to
+/// the configured service, and goes back to waiting if the service refuses it
+/// (see [`super::run`]).
+///
+/// A Unix `listen` path may hold only a stale socket (one nobody listens on), which is
+/// replaced; a regular file, a directory, a symlink or a live socket there is refused,
+/// never removed.
 pub async fn receive_push(listen: &Endpoint, read_timeout: Duration) -> io::Result<Material> {
     if let Some(p) = listen.unix_path() {
         remove_stale_socket(p)?;

@@ -22,6 +22,12 @@
 //! ([`EnrollConfig`]). The protocol, identity binding and stores are described for
 //! operators in `docs/ENROLLMENT.md`.
 //!
+//! Trust: a pushed document may come from any host process, so with a push source the
+//! service endpoint must be configured (the document does not choose it), a refused
+//! document is discarded and the guest waits for another push, and only an epoch the
+//! service confirmed becomes the floor. `guest-init enroll` refuses the memory store (its
+//! key would die with the process).
+//!
 //! Secrets: the token lives only in [`material::Token`] (wiped on drop, never printed) and
 //! the wiped request buffer; private keys only inside a key store. No error or log line in
 //! this module formats either; errors carry paths, field names, codes and hashes.
@@ -57,8 +63,9 @@ use crate::endpoint::Endpoint;
 pub enum BootstrapSource {
     /// A root-owned file of mode 0600 (image or config disk).
     File(PathBuf),
-    /// A one-time push from the host: listen on this endpoint (usually
-    /// `{"vsock": {"cid": 4294967295, "port": N}}`) and accept the first valid document.
+    /// A push from the host: listen on this endpoint (usually
+    /// `{"vsock": {"cid": 4294967295, "port": N}}`) and accept the first valid document;
+    /// one the service refuses is discarded and the guest listens again. Needs `service`.
     Push {
         /// Where to listen.
         listen: Endpoint,
@@ -72,7 +79,7 @@ pub enum KeyStoreKind {
     /// PKCS#8 files in the root-only state directory; survives reboots.
     #[default]
     File,
-    /// Protected memory only; re-enroll every boot.
+    /// Protected memory only; re-enroll every boot. Not for `guest-init enroll`.
     Memory,
 }
 
@@ -100,16 +107,16 @@ pub struct EnrollConfig {
     /// The key store (`file` or `memory`; default `file`).
     #[serde(default)]
     pub key_store: KeyStoreKind,
-    /// Root-only state directory (key files, CSR, records). Default
-    /// `/var/lib/guest-init/enroll`; with the memory store, prefer a tmpfs such as
-    /// `/run/guest-init/enroll`.
+    /// Root-only state directory (key files, CSR, records, the epoch floor). Default
+    /// `/var/lib/guest-init/enroll`. Keep it on a persistent disk with either store: the
+    /// epoch floor lives there (with the memory store it holds no key).
     #[serde(default = "default_state_dir")]
     pub state_dir: PathBuf,
     /// Where `cert.pem` is published, world-readable. Default `/run/guest-init/identity`.
     #[serde(default = "default_publish_dir")]
     pub publish_dir: PathBuf,
     /// The service endpoint. Default: vsock CID 2, the material's `enrollment_port`
-    /// (host-relay). Tests set a Unix socket.
+    /// (host-relay). Required with a push source. Tests set a Unix socket.
     #[serde(default)]
     pub service: Option<Endpoint>,
     /// Per-attempt deadline in milliseconds (connect, send, answer). Default 10000.

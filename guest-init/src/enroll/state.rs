@@ -8,36 +8,50 @@
 //! | `<slot>.key` | the private key (file store only; PKCS#8 DER, `0600`) |
 //! | `<slot>.csr` | the exact CSR DER sent for that key |
 //! | `<slot>.crt` | the certificate DER issued for that key |
-//! | `pending.json` | `{identity, slot, token_sha256}`: a CSR is out, no certificate yet |
+//! | `pending.json` | `{identity, slot, token_sha256}`: a CSR is out, no certificate yet (unconfirmed) |
 //! | `enrolled.json` | `{identity, slot}`: the certificate in force |
+//! | `floor.json` | `{epoch}`: the highest epoch the service confirmed; only rises, never removed |
 //!
 //! A run, under the lock:
-//! 1. **Floor.** Material whose epoch is lower than the enrolled one, or than a pending
-//!    one, is refused: epochs only go up.
+//! 0. **Carry.** An enrolled record's epoch is carried into the floor; then an enrolled
+//!    record whose key the store no longer holds (memory store after a restart) is voided.
+//!    The floor stays: it is not the enrolled record and is never removed with a key.
+//! 1. **Floor.** Material whose epoch is lower than the floor is refused, naming both
+//!    epochs. Only a confirmed epoch (a certificate received and verified) is a floor; a
+//!    pending record never is, because whoever can push material can make one.
 //! 2. **Already done.** If the enrolled identity equals the material's and its certificate
-//!    is still valid, republish it and stop.
+//!    verifies, republish it and stop. If it fails verification (or is missing), re-send
+//!    the *stored* CSR with the *stored* key; never a new key. Any other failure (key store,
+//!    publish directory, I/O) fails the run and changes nothing.
 //! 3. **Pending.** If a pending CSR exists for the same identity, re-send *its* bytes with
 //!    *its* key (across crashes and reboots). If its key is gone (memory store after a
 //!    restart) and the token is the same, fail finally: a new CSR for that token would be
 //!    denied, and making a new key for the same token is what we never do. A pending CSR
-//!    for another identity is discarded with its key.
+//!    for another identity — any epoch, higher ones included — is unconfirmed: it is
+//!    discarded with its key.
 //! 4. **New.** Otherwise generate a key in the key store, build the CSR, and persist the
 //!    key, then `<slot>.csr`, then `pending.json` (the commit point) — all before the first
 //!    byte is sent.
 //! 5. **Exchange** (retryable errors retried; a final error leaves the pending state in
 //!    place, so a later run re-sends the same CSR and never makes a second key for the
-//!    same token).
-//! 6. **Verify** the certificate (key, validity, identity), write `<slot>.crt`, then
-//!    `enrolled.json` (the commit point), publish `cert.pem`, remove `pending.json`, and
-//!    only then remove the previous identity's key, CSR and certificate.
-//! 7. **Collect** any slot file no record refers to (left by a crash between steps).
+//!    same token). With pushed material ([`Enroller::discard_refused`]) a final refusal
+//!    or a bad certificate discards the key and CSR this run made (a resumed pending
+//!    record is put back as it was), so the guest can wait for the next push.
+//! 6. **Verify** the certificate (key, validity, identity, profile), raise `floor.json`
+//!    (durable before anything depends on it), write `<slot>.crt`, then `enrolled.json`
+//!    (the commit point), publish `cert.pem`, remove `pending.json`, and only then remove
+//!    the previous identity's key, CSR and certificate.
+//! 7. **Collect** any slot file no record refers to (left by a crash between steps); if a
+//!    record, the store or the directory cannot be read, nothing is removed.
 //!
 //! Every write is atomic and durable ([`super::files`]); a crash at any point leaves a
 //! state from which the next run continues without a second CSR for the same token.
 //!
-//! Threat: replaying an old identity (epoch rollback), a second CSR for one token (the
-//! service would deny it and the VM would be stuck), the old key being used for a new
-//! identity, and concurrent enrollments racing to make two keys.
+//! Threat: replaying an old identity (epoch rollback, also after the memory store lost its
+//! key), a rogue pusher raising the floor to deny the VM its identity (only the service's
+//! confirmation raises it), a second CSR for one token (the service would deny it and the
+//! VM would be stuck), the old key being used for a new identity, a transient error
+//! deleting the live key, and concurrent enrollments racing to make two keys.
 
 use std::fs::OpenOptions;
 use std::os::unix::fs::OpenOptionsExt;
