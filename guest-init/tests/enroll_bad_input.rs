@@ -25,6 +25,15 @@ fn good() -> serde_json::Value {
 }
 
 fn run(material: &[u8], mode: u32) -> (i32, String, tempfile::TempDir) {
+    run_with(material, mode, |_| {})
+}
+
+/// As [`run`], with `edit` applied to the enrollment section first.
+fn run_with(
+    material: &[u8],
+    mode: u32,
+    edit: impl FnOnce(&mut serde_json::Value),
+) -> (i32, String, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let boot = dir.path().join("bootstrap.json");
     let mut f = std::fs::OpenOptions::new()
@@ -37,19 +46,17 @@ fn run(material: &[u8], mode: u32) -> (i32, String, tempfile::TempDir) {
     drop(f);
     std::fs::set_permissions(&boot, std::os::unix::fs::PermissionsExt::from_mode(mode)).unwrap();
     let cfg = dir.path().join("guest.json");
+    let mut section = serde_json::json!({
+        "bootstrap": {"file": boot},
+        "state_dir": dir.path().join("state"),
+        "publish_dir": dir.path().join("identity"),
+        "service": {"unix": dir.path().join("nobody-listens.sock")},
+        "retry": {"initial_ms": 1, "max_ms": 2, "max_attempts": 1},
+    });
+    edit(&mut section);
     std::fs::write(
         &cfg,
-        serde_json::json!({
-            "log_level": "debug",
-            "enrollment": {
-                "bootstrap": {"file": boot},
-                "state_dir": dir.path().join("state"),
-                "publish_dir": dir.path().join("identity"),
-                "service": {"unix": dir.path().join("nobody-listens.sock")},
-                "retry": {"initial_ms": 1, "max_ms": 2, "max_attempts": 1},
-            }
-        })
-        .to_string(),
+        serde_json::json!({"log_level": "debug", "enrollment": section}).to_string(),
     )
     .unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_guest-init"))
@@ -133,4 +140,22 @@ fn good_material_gets_past_validation() {
     assert_eq!(code, 4, "{out}");
     assert!(dir.path().join("state/pending.json").exists());
     assert!(!out.contains(TOKEN));
+}
+
+#[test]
+fn the_memory_store_is_refused_for_the_enroll_subcommand() {
+    // `guest-init enroll` is its own process: a memory-store key would die with it, leaving
+    // a published certificate for a key that no longer exists. Refused before anything is
+    // read or written, naming the field and the fix.
+    let (code, out, dir) = run_with(good().to_string().as_bytes(), 0o600, |s| {
+        s["key_store"] = "memory".into();
+    });
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains("key_store") && out.contains("memory") && out.contains("\"file\""),
+        "the message must name the field and the fix: {out}"
+    );
+    assert!(!out.contains(TOKEN), "the token leaked: {out}");
+    assert!(!dir.path().join("state").exists(), "state written");
+    assert!(!dir.path().join("identity").exists(), "publish dir written");
 }

@@ -109,3 +109,79 @@ fn only_root_may_push_and_bad_pushes_do_not_end_the_wait() {
     assert_eq!(m.token.expose(), TOKEN);
     assert!(!sock.exists(), "the push socket is removed after use");
 }
+
+/// Runs `receive_push` on `path` and returns its result if it ends within 5 s.
+fn push_wait_result(path: &std::path::Path) -> Option<std::io::Result<()>> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let ep = Endpoint::Unix(path.to_path_buf());
+    rt.block_on(async {
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            receive_push(&ep, Duration::from_secs(1)),
+        )
+        .await
+        .ok()
+        .map(|r| r.map(|_| ()))
+    })
+}
+
+#[test]
+fn a_regular_file_at_the_push_path_is_refused_not_removed() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("push.sock");
+    std::fs::write(&path, b"precious").unwrap();
+    let e = push_wait_result(&path)
+        .expect("receive_push listened instead of refusing the file in the way")
+        .unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("bootstrap.push.listen") && msg.contains("not a socket"),
+        "{msg}"
+    );
+    assert!(msg.contains(&path.display().to_string()), "{msg}");
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        b"precious",
+        "the file was touched"
+    );
+
+    // A live socket (something listens on it) is refused too.
+    let live = dir.path().join("live.sock");
+    let _listener = std::os::unix::net::UnixListener::bind(&live).unwrap();
+    let e = push_wait_result(&live)
+        .expect("receive_push took over a live socket")
+        .unwrap_err();
+    assert!(e.to_string().contains("listening"), "{e}");
+    assert!(live.exists());
+}
+
+#[test]
+fn a_stale_socket_at_the_push_path_is_replaced() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("push.sock");
+    // A socket nobody listens on any more (an earlier run's).
+    drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+    assert!(path.exists());
+    let p = path.clone();
+    let waiter = std::thread::spawn(move || push_wait_result(&p));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let answer = loop {
+        if let Ok(mut s) = UnixStream::connect(&path) {
+            s.write_all(doc().as_bytes()).unwrap();
+            s.shutdown(std::net::Shutdown::Write).unwrap();
+            let mut a = String::new();
+            s.read_to_string(&mut a).unwrap();
+            break a;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never listened on the stale path"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(answer, "ok\n");
+    waiter.join().unwrap().expect("ended in time").unwrap();
+}

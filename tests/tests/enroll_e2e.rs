@@ -177,8 +177,83 @@ impl Env {
     }
 
     fn write_material(&mut self, token: &str, id: &Identity, expires: u64) {
+        let doc = self.material_doc(token, id, expires);
+        write_bootstrap(&self.path("bootstrap.json"), doc.as_bytes());
+    }
+
+    /// A full guest-init configuration (an app and the `enrollment` section) for running
+    /// guest-init as the long-lived supervisor, the way PID 1 enrolls at boot. `bootstrap`
+    /// is the section's `bootstrap` value.
+    fn supervisor_config(&self, bootstrap: serde_json::Value) -> PathBuf {
+        let p = self.path("supervisor.json");
+        std::fs::write(
+            &p,
+            serde_json::json!({
+                "version": 1,
+                "log_level": "debug",
+                "app": {"command": ["/bin/true"], "user": 0},
+                "enrollment": {
+                    "bootstrap": bootstrap,
+                    "key_store": self.key_store,
+                    "state_dir": self.state(),
+                    "publish_dir": self.publish(),
+                    "service": {"unix": self.guest_sock},
+                    "timeout_ms": 60000,
+                    "retry": {"initial_ms": 10, "max_ms": 50, "max_attempts": 5},
+                }
+            })
+            .to_string(),
+        )
+        .unwrap();
+        p
+    }
+
+    /// Runs guest-init as the supervisor (`guest-init --config FILE`, an app of
+    /// `/bin/true`) to the end: one boot. Returns its exit code and output.
+    fn run_supervisor(&mut self) -> (i32, String) {
+        let cfg = self.supervisor_config(serde_json::json!({"file": self.path("bootstrap.json")}));
+        let out = Command::new(host_bin("guest-init"))
+            .arg("--config")
+            .arg(cfg)
+            .output()
+            .expect("run guest-init");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        self.output.push(text.clone());
+        self.collect_keys();
+        (out.status.code().unwrap_or(-1), text)
+    }
+
+    /// Writes a push configuration for `guest-init enroll` (listening on `push.sock`).
+    fn push_config(&self) -> PathBuf {
+        let p = self.path("guest.json");
+        std::fs::write(
+            &p,
+            serde_json::json!({
+                "log_level": "debug",
+                "enrollment": {
+                    "bootstrap": {"push": {"listen": {"unix": self.path("push.sock")}}},
+                    "key_store": self.key_store,
+                    "state_dir": self.state(),
+                    "publish_dir": self.publish(),
+                    "service": {"unix": self.guest_sock},
+                    "timeout_ms": 60000,
+                    "retry": {"initial_ms": 10, "max_ms": 50, "max_attempts": 5},
+                }
+            })
+            .to_string(),
+        )
+        .unwrap();
+        p
+    }
+
+    /// A bootstrap document for `id` and `token` (what the platform stages or pushes).
+    fn material_doc(&mut self, token: &str, id: &Identity, expires: u64) -> String {
         self.tokens.push(token.to_owned());
-        let doc = serde_json::json!({
+        serde_json::json!({
             "version": 1,
             "workspace_namespace": id.workspace_namespace,
             "workspace_name": id.workspace_name,
@@ -188,8 +263,8 @@ impl Env {
             "token": token,
             "expires_at": expires,
             "enrollment_port": 5002,
-        });
-        write_bootstrap(&self.path("bootstrap.json"), doc.to_string().as_bytes());
+        })
+        .to_string()
     }
 
     fn guest(&self) -> Command {
@@ -333,6 +408,28 @@ fn write_bootstrap(path: &Path, bytes: &[u8]) {
         .open(path)
         .unwrap();
     f.write_all(bytes).unwrap();
+}
+
+/// Pushes `doc` to the guest's push socket as root and returns the guest's answer.
+fn push(sock: &Path, doc: &str) -> String {
+    use std::io::Read;
+    let mut s = std::os::unix::net::UnixStream::connect(sock).unwrap();
+    s.write_all(doc.as_bytes()).unwrap();
+    s.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    answer
+}
+
+/// The distinct CSRs the service has received.
+fn distinct_csrs(svc: &EnrollService) -> Vec<Vec<u8>> {
+    let mut csrs: Vec<Vec<u8>> = Vec::new();
+    for c in svc.requests().into_iter().filter_map(|r| r.csr) {
+        if !csrs.contains(&c) {
+            csrs.push(c);
+        }
+    }
+    csrs
 }
 
 fn cert_uris(der: &[u8]) -> Vec<String> {
@@ -635,11 +732,13 @@ fn key_is_private_and_the_app_user_cannot_read_it() {
 
 #[test]
 fn memory_store_keeps_the_key_off_disk_and_needs_fresh_material_per_boot() {
+    // The memory store is for the long-lived guest-init (PID 1 in a VM); each supervisor
+    // run here is one boot, so its key dies with it.
     let mut env = Env::new(&[VM], VM);
     env.key_store = "memory";
     let id = identity(VM, 4);
     env.provision(&id);
-    let (code, out) = env.run_guest();
+    let (code, out) = env.run_supervisor();
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("key store memory"), "{out}");
     assert!(
@@ -649,19 +748,308 @@ fn memory_store_keeps_the_key_off_disk_and_needs_fresh_material_per_boot() {
     let first = env.published();
     assert_eq!(cert_uris(&first), vec![id.uri()]);
 
-    // A new process is a reboot: the key is gone. The same token cannot enroll a second
-    // key (the service commits one CSR per token), and the guest says so.
-    let (code, out) = env.run_guest();
-    assert_eq!(code, 3, "{out}");
+    // The next boot: the key is gone. The same token cannot enroll a second key (the
+    // service commits one CSR per token), and the guest says so.
+    let (code, out) = env.run_supervisor();
+    assert_ne!(code, 0, "{out}");
     assert!(out.contains("no longer holds the enrolled key"), "{out}");
     assert!(out.contains("csr_mismatch"), "{out}");
 
     // Fresh material for the boot: enrolls with a new key.
     env.provision(&id);
-    let (code, out) = env.run_guest();
+    let (code, out) = env.run_supervisor();
     assert_eq!(code, 0, "{out}");
     let second = env.published();
     assert_ne!(cert_key(&second), cert_key(&first));
     assert!(env.files_with(".key").is_empty());
+    env.assert_no_secrets();
+}
+
+#[test]
+fn memory_store_keeps_the_epoch_floor_across_a_restart() {
+    // Finding A: the memory store loses its key at every boot, and the epoch floor must
+    // not go with it. Enroll at epoch 5, restart, offer epoch 4 (with a token the service
+    // would honour): refused locally, naming both epochs.
+    let mut env = Env::new(&[VM], VM);
+    env.key_store = "memory";
+    env.provision(&identity(VM, 5));
+    let (code, out) = env.run_supervisor();
+    assert_eq!(code, 0, "{out}");
+    let cert = env.published();
+
+    let requests = env.svc.requests().len();
+    env.provision(&identity(VM, 4));
+    let (code, out) = env.run_supervisor();
+    assert_ne!(code, 0, "epoch 4 was accepted after epoch 5: {out}");
+    assert!(
+        out.contains("revocation epoch 4") && out.contains("epoch 5"),
+        "the refusal must name both epochs: {out}"
+    );
+    assert_eq!(
+        env.svc.requests().len(),
+        requests,
+        "a refused epoch reached the service"
+    );
+    assert_eq!(env.published(), cert, "the published certificate changed");
+    env.assert_no_secrets();
+}
+
+#[test]
+fn the_enroll_subcommand_refuses_the_memory_store() {
+    let mut env = Env::new(&[VM], VM);
+    env.key_store = "memory";
+    env.provision(&identity(VM, 1));
+    let (code, out) = env.run_guest();
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("key_store"), "{out}");
+    assert!(env.svc.requests().is_empty(), "it reached the service");
+    assert!(!env.publish().join("cert.pem").exists());
+    env.assert_no_secrets();
+}
+
+#[test]
+fn refused_material_at_the_top_epoch_is_no_floor() {
+    // Finding B: material the service refuses (here an unregistered token at epoch
+    // 2^64-1) leaves at most an unconfirmed pending record, which must not act as a floor.
+    let mut env = Env::new(&[VM], VM);
+    let rogue = new_token("rogue");
+    env.write_material(&rogue, &identity(VM, u64::MAX), 4_000_000_000);
+    let (code, out) = env.run_guest();
+    assert_eq!(code, 3, "{out}");
+    assert!(out.contains("denied (denied)"), "{out}");
+
+    let id = identity(VM, 5);
+    env.provision(&id);
+    let (code, out) = env.run_guest();
+    assert_eq!(code, 0, "the refused material blocked enrollment: {out}");
+    assert_eq!(cert_uris(&env.published()), vec![id.uri()]);
+    assert_eq!(
+        env.files_with(".key").len(),
+        1,
+        "the refused key is left over"
+    );
+    env.assert_no_secrets();
+}
+
+#[test]
+fn a_rogue_push_at_the_top_epoch_only_delays_enrollment() {
+    // Finding B: any host process may push. A rogue push at epoch 2^64-1 is refused by the
+    // service; the guest discards it and waits for another push, and the legitimate
+    // material at epoch 5 then enrolls.
+    let mut env = Env::new(&[VM], VM);
+    let cfg = env.push_config();
+    let sock = env.path("push.sock");
+    let mut child = Command::new(host_bin("guest-init"))
+        .args(["enroll", "--config"])
+        .arg(&cfg)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn guest-init");
+    let wait_for_socket = |child: &mut Child| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !sock.exists() {
+            if let Some(st) = child.try_wait().unwrap() {
+                return Err(st);
+            }
+            assert!(Instant::now() < deadline, "no push socket");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    };
+    wait_for_socket(&mut child).expect("guest-init exited before listening");
+    let rogue = new_token("rogue");
+    let doc = env.material_doc(&rogue, &identity(VM, u64::MAX), 4_000_000_000);
+    assert_eq!(push(&sock, &doc), "ok\n");
+    wait_until("the service to refuse the rogue material", || {
+        env.svc
+            .requests()
+            .iter()
+            .any(|r| r.code == Some(ErrorCode::Denied))
+    });
+    if let Err(st) = wait_for_socket(&mut child) {
+        let (_, out) = env.finish(child);
+        panic!("guest-init gave up after the rogue push ({st}): {out}");
+    }
+
+    let id = identity(VM, 5);
+    let token = new_token("legit");
+    let expires = env
+        .svc
+        .register(&token, &id, Duration::from_secs(600))
+        .unwrap();
+    let doc = env.material_doc(&token, &id, expires);
+    assert_eq!(push(&sock, &doc), "ok\n");
+    let (code, out) = env.finish(child);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("waiting for another push"), "{out}");
+    let cert = env.published();
+    assert_eq!(cert_uris(&cert), vec![id.uri()]);
+    assert_eq!(Some(cert), env.svc.committed_cert(&token));
+    assert_eq!(
+        env.files_with(".key").len(),
+        1,
+        "the rogue key is left over"
+    );
+    assert!(!env.state().join("pending.json").exists());
+    env.assert_no_secrets();
+}
+
+#[test]
+fn an_unwritable_publish_dir_never_makes_a_second_csr() {
+    // Finding C: a failure to publish is not a bad certificate. It must fail the run, and
+    // never lead to a new key and a second CSR for the already-used token.
+    let mut env = Env::new(&[VM], VM);
+    env.provision(&identity(VM, 2));
+    let (code, out) = env.run_guest();
+    assert_eq!(code, 0, "{out}");
+    let keys = env.files_with(".key");
+    // A regular file where the publish directory should be.
+    std::fs::remove_dir_all(env.publish()).unwrap();
+    std::fs::write(env.publish(), b"in the way").unwrap();
+    let (code, out) = env.run_guest();
+    assert_ne!(code, 0, "{out}");
+    assert!(
+        out.contains("identity"),
+        "the error must name the path: {out}"
+    );
+    assert_eq!(
+        distinct_csrs(&env.svc).len(),
+        1,
+        "a second CSR was sent: {out}"
+    );
+    assert_eq!(env.files_with(".key"), keys, "a new key was made");
+
+    // Once the directory is back, the same material republishes without a request.
+    let requests = env.svc.requests().len();
+    std::fs::remove_file(env.publish()).unwrap();
+    let (code, out) = env.run_guest();
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("already enrolled"), "{out}");
+    assert_eq!(env.svc.requests().len(), requests);
+    env.assert_no_secrets();
+}
+
+#[test]
+fn a_damaged_certificate_is_fetched_again_with_the_stored_csr() {
+    // Finding C, the one case that goes back to the service: the enrolled certificate
+    // fails verification. The guest re-sends the stored CSR with the stored key (the
+    // service answers an identical CSR with the identical certificate); it never makes a
+    // new key and a second CSR for the already-used token.
+    let mut env = Env::new(&[VM], VM);
+    let token = env.provision(&identity(VM, 6));
+    let (code, out) = env.run_guest();
+    assert_eq!(code, 0, "{out}");
+    let keys = env.files_with(".key");
+    let crt = env.state().join(&env.files_with(".crt")[0]);
+    let mut f = std::fs::OpenOptions::new().write(true).open(&crt).unwrap();
+    f.write_all(b"garbage").unwrap();
+    drop(f);
+
+    let (code, out) = env.run_guest();
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("re-sending the stored CSR"), "{out}");
+    assert_eq!(
+        distinct_csrs(&env.svc).len(),
+        1,
+        "a second CSR was sent: {out}"
+    );
+    assert_eq!(env.files_with(".key"), keys, "a new key was made");
+    assert_eq!(
+        Some(std::fs::read(&crt).unwrap()),
+        env.svc.committed_cert(&token)
+    );
+    assert_eq!(Some(env.published()), env.svc.committed_cert(&token));
+    env.assert_no_secrets();
+}
+
+/// Spawns `guest-init enroll` with the push configuration and waits until it listens.
+fn spawn_push_guest(env: &Env) -> Child {
+    let cfg = env.push_config();
+    let sock = env.path("push.sock");
+    let mut child = Command::new(host_bin("guest-init"))
+        .args(["enroll", "--config"])
+        .arg(&cfg)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn guest-init");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !sock.exists() {
+        if let Some(st) = child.try_wait().unwrap() {
+            panic!("guest-init exited ({st}) before listening");
+        }
+        assert!(Instant::now() < deadline, "no push socket");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child
+}
+
+#[test]
+fn a_rogue_push_for_the_pending_identity_does_not_cost_the_pending_csr() {
+    // The crash window: the service committed the legitimate CSR, the guest died before
+    // the answer. After the restart a rogue pusher is first, with the same identity and
+    // its own token: the guest resumes the pending CSR under the rogue token, the service
+    // refuses it, and the pending record must survive, so the legitimate push then gets
+    // the committed certificate instead of a `csr_mismatch` for a second key.
+    let mut env = Env::new(&[VM], VM);
+    let id = identity(VM, 7);
+    let token = new_token("legit");
+    let expires = env
+        .svc
+        .register(&token, &id, Duration::from_secs(600))
+        .unwrap();
+    let legit = env.material_doc(&token, &id, expires);
+    let sock = env.path("push.sock");
+
+    env.svc.stall_after_commit();
+    let mut child = spawn_push_guest(&env);
+    assert_eq!(push(&sock, &legit), "ok\n");
+    wait_until("the service to commit and stall", || env.svc.stalled() == 1);
+    child.kill().unwrap();
+    let _ = env.finish(child);
+    env.svc.release_stall();
+    let committed = env.svc.committed_cert(&token).expect("committed");
+    let pending = std::fs::read(env.state().join("pending.json")).unwrap();
+
+    let mut child = spawn_push_guest(&env);
+    let rogue = new_token("rogue");
+    let doc = env.material_doc(&rogue, &id, 4_000_000_000);
+    assert_eq!(push(&sock, &doc), "ok\n");
+    wait_until("the service to refuse the rogue token", || {
+        env.svc
+            .requests()
+            .iter()
+            .any(|r| r.code == Some(ErrorCode::Denied))
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !sock.exists() {
+        if child.try_wait().unwrap().is_some() {
+            let (_, out) = env.finish(child);
+            panic!("guest-init gave up after the rogue push: {out}");
+        }
+        assert!(Instant::now() < deadline, "no second push socket");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        std::fs::read(env.state().join("pending.json")).unwrap(),
+        pending,
+        "the refused push changed the pending record"
+    );
+
+    assert_eq!(push(&sock, &legit), "ok\n");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            child.kill().unwrap();
+            let (_, out) = env.finish(child);
+            panic!("the legitimate push did not enroll: {out}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (code, out) = env.finish(child);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(distinct_csrs(&env.svc).len(), 1, "a second CSR was sent");
+    assert_eq!(env.published(), committed);
     env.assert_no_secrets();
 }

@@ -28,21 +28,23 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use zeroize::Zeroizing;
 
 /// Creates `dir` with `mode` if missing (parents `0755`); an existing directory must be a
-/// real directory owned by the effective uid, and gets `mode`.
+/// real directory owned by the effective uid, and gets `mode`. Every directory it creates
+/// is made durable by `fsync`ing its parent after the `mkdir`, so records written into it
+/// later cannot outlive, after a crash, the directory entry that holds them.
 pub fn ensure_dir(dir: &Path, mode: u32) -> io::Result<()> {
     if let Some(parent) = dir.parent() {
         if !parent.as_os_str().is_empty() {
-            DirBuilder::new()
-                .recursive(true)
-                .mode(0o755)
-                .create(parent)?;
+            // Outermost missing ancestor first, each made durable in its own parent.
+            let missing: Vec<&Path> = parent
+                .ancestors()
+                .take_while(|a| !a.as_os_str().is_empty() && fs::symlink_metadata(a).is_err())
+                .collect();
+            for a in missing.into_iter().rev() {
+                make_dir(a, 0o755)?;
+            }
         }
     }
-    match DirBuilder::new().mode(mode).create(dir) {
-        Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(e),
-    }
+    make_dir(dir, mode)?;
     let md = fs::symlink_metadata(dir)?;
     if !md.file_type().is_dir() {
         return Err(io::Error::other(format!(
@@ -64,8 +66,30 @@ pub fn ensure_dir(dir: &Path, mode: u32) -> io::Result<()> {
     Ok(())
 }
 
+/// `mkdir` with `mode`; when it created the directory, `fsync`s the parent. An existing
+/// entry is left to the caller's checks.
+fn make_dir(dir: &Path, mode: u32) -> io::Result<()> {
+    match DirBuilder::new().mode(mode).create(dir) {
+        Ok(()) => match dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+            Some(parent) => sync_dir(parent),
+            None => Ok(()),
+        },
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Directories `sync_dir` was called on in this thread (tests observe the durability
+    /// steps this way: a lost `fsync` is invisible without a power cut).
+    static SYNCED: std::cell::RefCell<Vec<std::path::PathBuf>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// `fsync`s a directory, making renames and removals in it durable.
 pub fn sync_dir(dir: &Path) -> io::Result<()> {
+    #[cfg(test)]
+    SYNCED.with(|s| s.borrow_mut().push(dir.to_path_buf()));
     File::open(dir)?.sync_all()
 }
 
@@ -183,6 +207,30 @@ mod tests {
         assert_eq!(fs::metadata(dir.join("k")).unwrap().mode() & 0o7777, 0o600);
         // No temporary file is left behind.
         assert_eq!(fs::read_dir(&dir).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn each_created_directory_is_made_durable_in_its_parent() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("a/b/state");
+        SYNCED.with(|s| s.borrow_mut().clear());
+        ensure_dir(&dir, 0o700).unwrap();
+        let synced = SYNCED.with(|s| s.borrow().clone());
+        for parent in [
+            d.path().to_path_buf(),
+            d.path().join("a"),
+            d.path().join("a/b"),
+        ] {
+            assert!(
+                synced.contains(&parent),
+                "{} was not fsynced after a mkdir in it: {synced:?}",
+                parent.display()
+            );
+        }
+        // Nothing created, nothing to sync.
+        SYNCED.with(|s| s.borrow_mut().clear());
+        ensure_dir(&dir, 0o700).unwrap();
+        assert!(SYNCED.with(|s| s.borrow().is_empty()));
     }
 
     #[test]

@@ -30,7 +30,8 @@
 //! protection is its mode and the root-only directory it sits in.
 //!
 //! Threat: a loose or planted bootstrap file (mode, owner and symlink checks), a token
-//! leaking through logs or errors, and ambiguous or partial input changing the identity.
+//! leaking through logs or errors, ambiguous or partial input changing the identity, and
+//! a push listener deleting whatever file sits at its path.
 
 use std::fmt;
 use std::io;
@@ -288,9 +289,18 @@ pub fn read_file(path: &Path) -> Result<Option<Material>, MaterialError> {
 /// input values). A bad push is answered and the guest keeps listening, so one mistaken
 /// connection cannot make the VM give up; the first good one ends the wait. The material
 /// is kept in memory only: a restarted guest needs a new push.
+///
+/// CID 2 is *any* process on the host (under vhost-vsock, unprivileged users included),
+/// so a pushed document is not trusted to be the platform's: the caller sends it only to
+/// the configured service, and goes back to waiting if the service refuses it
+/// (see [`super::run`]).
+///
+/// A Unix `listen` path may hold only a stale socket (one nobody listens on), which is
+/// replaced; a regular file, a directory, a symlink or a live socket there is refused,
+/// never removed.
 pub async fn receive_push(listen: &Endpoint, read_timeout: Duration) -> io::Result<Material> {
     if let Some(p) = listen.unix_path() {
-        let _ = std::fs::remove_file(p);
+        remove_stale_socket(p)?;
     }
     let listener = listen.listen_with_backlog(4)?;
     let result = loop {
@@ -331,6 +341,44 @@ pub async fn receive_push(listen: &Endpoint, read_timeout: Duration) -> io::Resu
         let _ = std::fs::remove_file(p);
     }
     Ok(result)
+}
+
+/// Makes room for the push socket at `path`: nothing there is fine; a socket nobody
+/// listens on (left by an earlier run) is removed; anything else — a regular file, a
+/// directory, a symlink, a socket something still listens on — is refused, never removed.
+fn remove_stale_socket(path: &Path) -> io::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    let md = match std::fs::symlink_metadata(path) {
+        Ok(md) => md,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    if !md.file_type().is_socket() {
+        return Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            format!(
+                "bootstrap.push.listen: {} exists and is not a socket; remove it or choose another path",
+                path.display()
+            ),
+        ));
+    }
+    match std::os::unix::net::UnixStream::connect(path) {
+        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => std::fs::remove_file(path),
+        Ok(_) => Err(io::Error::new(
+            io::ErrorKind::AddrInUse,
+            format!(
+                "bootstrap.push.listen: something is listening on {} already; stop it or choose another path",
+                path.display()
+            ),
+        )),
+        Err(e) => Err(io::Error::new(
+            e.kind(),
+            format!(
+                "bootstrap.push.listen: cannot tell whether the socket {} is stale: {e}; remove it if nothing uses it",
+                path.display()
+            ),
+        )),
+    }
 }
 
 fn admit_pusher(conn: &Conn, peer: &Peer) -> Result<(), String> {

@@ -22,6 +22,12 @@
 //! ([`EnrollConfig`]). The protocol, identity binding and stores are described for
 //! operators in `docs/ENROLLMENT.md`.
 //!
+//! Trust: a pushed document may come from any host process, so with a push source the
+//! service endpoint must be configured (the document does not choose it), a refused
+//! document is discarded and the guest waits for another push, and only an epoch the
+//! service confirmed becomes the floor. `guest-init enroll` refuses the memory store (its
+//! key would die with the process).
+//!
 //! Secrets: the token lives only in [`material::Token`] (wiped on drop, never printed) and
 //! the wiped request buffer; private keys only inside a key store. No error or log line in
 //! this module formats either; errors carry paths, field names, codes and hashes.
@@ -57,8 +63,9 @@ use vm_transport::Endpoint;
 pub enum BootstrapSource {
     /// A root-owned file of mode 0600 (image or config disk).
     File(PathBuf),
-    /// A one-time push from the host: listen on this endpoint (usually
-    /// `{"vsock": {"cid": 4294967295, "port": N}}`) and accept the first valid document.
+    /// A push from the host: listen on this endpoint (usually
+    /// `{"vsock": {"cid": 4294967295, "port": N}}`) and accept the first valid document;
+    /// one the service refuses is discarded and the guest listens again. Needs `service`.
     Push {
         /// Where to listen.
         listen: Endpoint,
@@ -72,7 +79,7 @@ pub enum KeyStoreKind {
     /// PKCS#8 files in the root-only state directory; survives reboots.
     #[default]
     File,
-    /// Protected memory only; re-enroll every boot.
+    /// Protected memory only; re-enroll every boot. Not for `guest-init enroll`.
     Memory,
 }
 
@@ -100,16 +107,16 @@ pub struct EnrollConfig {
     /// The key store (`file` or `memory`; default `file`).
     #[serde(default)]
     pub key_store: KeyStoreKind,
-    /// Root-only state directory (key files, CSR, records). Default
-    /// `/var/lib/guest-init/enroll`; with the memory store, prefer a tmpfs such as
-    /// `/run/guest-init/enroll`.
+    /// Root-only state directory (key files, CSR, records, the epoch floor). Default
+    /// `/var/lib/guest-init/enroll`. Keep it on a persistent disk with either store: the
+    /// epoch floor lives there (with the memory store it holds no key).
     #[serde(default = "default_state_dir")]
     pub state_dir: PathBuf,
     /// Where `cert.pem` is published, world-readable. Default `/run/guest-init/identity`.
     #[serde(default = "default_publish_dir")]
     pub publish_dir: PathBuf,
     /// The service endpoint. Default: vsock CID 2, the material's `enrollment_port`
-    /// (host-relay). Tests set a Unix socket.
+    /// (host-relay). Required with a push source. Tests set a Unix socket.
     #[serde(default)]
     pub service: Option<Endpoint>,
     /// Per-attempt deadline in milliseconds (connect, send, answer). Default 10000.
@@ -134,15 +141,13 @@ pub enum EnrollError {
         "no bootstrap material and no valid enrolled certificate; provision bootstrap material"
     )]
     NoMaterial,
-    /// The material's epoch is lower than the enrolled or pending one.
-    #[error("bootstrap material has revocation epoch {offered}, lower than the {what} epoch {floor}; epochs only go up, provision current material")]
+    /// The material's epoch is lower than the highest epoch the service has confirmed.
+    #[error("bootstrap material has revocation epoch {offered}, lower than the enrolled epoch {floor} (the highest the service has confirmed for this VM); epochs only go up, provision current material")]
     EpochRollback {
         /// The material's epoch.
         offered: u64,
-        /// The floor.
+        /// The floor: the highest confirmed epoch.
         floor: u64,
-        /// `enrolled` or `pending`.
-        what: &'static str,
     },
     /// The key store failed.
     #[error(transparent)]
@@ -190,6 +195,20 @@ impl EnrollError {
         matches!(self, EnrollError::Unavailable { .. })
     }
 
+    /// Whether the error condemns the material itself (the service refused it, its epoch
+    /// is below the floor, its key is lost, or its certificate failed verification), as
+    /// opposed to a local fault or an unavailable service. A guest waiting for pushes
+    /// discards such material and waits for the next push.
+    pub fn refuses_material(&self) -> bool {
+        matches!(
+            self,
+            EnrollError::Denied { .. }
+                | EnrollError::EpochRollback { .. }
+                | EnrollError::KeyLost
+                | EnrollError::BadCertificate(_)
+        )
+    }
+
     /// The process exit code for `guest-init enroll`: 2 configuration or material, 3 final
     /// refusal (denied, rollback, key lost, bad certificate), 4 unavailable, 1 otherwise.
     pub fn exit_code(&self) -> i32 {
@@ -214,9 +233,18 @@ pub fn validate(cfg: &EnrollConfig) -> Result<(), String> {
                 p.display()
             ))
         }
-        BootstrapSource::Push { listen } => listen
-            .validate()
-            .map_err(|e| format!("bootstrap.push.listen: {e}"))?,
+        BootstrapSource::Push { listen } => {
+            listen
+                .validate()
+                .map_err(|e| format!("bootstrap.push.listen: {e}"))?;
+            // Any host process may push: a pushed document must not choose where the
+            // token goes and which service confirms the epoch.
+            if cfg.service.is_none() {
+                return Err(
+                    "service: required with bootstrap.push (a pushed document must not choose the enrollment service); set it, e.g. {\"vsock\": {\"cid\": 2, \"port\": 5002}}".into(),
+                );
+            }
+        }
         _ => {}
     }
     for (field, p) in [
@@ -262,24 +290,48 @@ fn memory_store() -> Result<&'static memory_store::MemoryKeyStore, EnrollError> 
 }
 
 /// Runs one enrollment with `cfg`: reads the material, runs the state machine.
+///
+/// With a push source, material that the run refuses ([`EnrollError::refuses_material`]:
+/// the service's final refusal, an epoch below the floor, ...) is discarded and the guest
+/// waits for the next push: anyone on the host may push, so a rogue document can delay
+/// enrollment but not end it.
 pub async fn run(cfg: &EnrollConfig) -> Result<Outcome, EnrollError> {
     validate(cfg).map_err(EnrollError::Config)?;
-    let material = match &cfg.bootstrap {
-        BootstrapSource::File(p) => material::read_file(p)?,
-        BootstrapSource::Push { listen } => {
-            crate::info!("enroll: waiting for the host to push bootstrap material on {listen}");
-            Some(
-                material::receive_push(listen, Duration::from_millis(cfg.timeout_ms))
-                    .await
-                    .map_err(|e| EnrollError::State {
-                        what: format!("listen for bootstrap material on {listen}"),
-                        source: e,
-                    })?,
-            )
+    match &cfg.bootstrap {
+        BootstrapSource::File(p) => {
+            let material = material::read_file(p)?;
+            with_store(cfg, false, |e| Box::pin(e.run(material))).await
         }
-    };
-    // The store (and the state directory) only once the material is known to be good:
-    // bad input writes nothing.
+        BootstrapSource::Push { listen } => loop {
+            crate::info!("enroll: waiting for the host to push bootstrap material on {listen}");
+            let material = material::receive_push(listen, Duration::from_millis(cfg.timeout_ms))
+                .await
+                .map_err(|e| EnrollError::State {
+                    what: format!("listen for bootstrap material on {listen}"),
+                    source: e,
+                })?;
+            match with_store(cfg, true, |e| Box::pin(e.run(Some(material)))).await {
+                Err(e) if e.refuses_material() => {
+                    crate::warn!(
+                        "enroll: the pushed bootstrap material was refused ({e}); discarded, waiting for another push"
+                    );
+                }
+                other => return other,
+            }
+        },
+    }
+}
+
+type RunFuture<'a> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Outcome, EnrollError>> + 'a>>;
+
+/// Opens the key store (and so the state directory) and runs `f` with an enroller. Only
+/// called once the material is known to be good: bad input writes nothing.
+async fn with_store(
+    cfg: &EnrollConfig,
+    discard_refused: bool,
+    f: impl for<'a> FnOnce(&'a state::Enroller<'a>) -> RunFuture<'a>,
+) -> Result<Outcome, EnrollError> {
     let file_store;
     let store: &dyn KeyStore = match cfg.key_store {
         KeyStoreKind::File => {
@@ -295,8 +347,9 @@ pub async fn run(cfg: &EnrollConfig) -> Result<Outcome, EnrollError> {
         service: cfg.service.clone(),
         timeout: Duration::from_millis(cfg.timeout_ms),
         retry: cfg.retry.clone(),
+        discard_refused,
     };
-    enroller.run(material).await
+    f(&enroller).await
 }
 
 /// The boot step: called by PID 1 after the forwarders are up and before the app starts.
@@ -359,10 +412,22 @@ pub fn load_config(path: &Path) -> Result<EnrollConfig, EnrollError> {
     })
 }
 
+/// What `guest-init enroll` refuses on top of [`validate`]: the memory store. The
+/// subcommand is its own process, so a memory key would die with it, leaving a published
+/// certificate for a key that no longer exists (and voiding PID 1's enrollment).
+pub fn cli_check(cfg: &EnrollConfig) -> Result<(), EnrollError> {
+    if cfg.key_store == KeyStoreKind::Memory {
+        return Err(EnrollError::Config(
+            "key_store: \"memory\" cannot be used with `guest-init enroll`: the key would die with this process and leave a certificate for a key that no longer exists; use key_store \"file\", or let guest-init enroll at boot (the enrollment section of its own configuration)".into(),
+        ));
+    }
+    Ok(())
+}
+
 /// `guest-init enroll --config FILE`: enrollment alone, as an ordinary process; returns the
 /// process exit code (0 enrolled or already enrolled; see [`EnrollError::exit_code`]).
 pub fn cli_main(config_path: &std::path::Path) -> i32 {
-    let cfg = match load_config(config_path) {
+    let cfg = match load_config(config_path).and_then(|c| cli_check(&c).map(|()| c)) {
         Ok(c) => c,
         Err(e) => {
             crate::error!("enroll: {e}");
@@ -382,5 +447,40 @@ pub fn cli_main(config_path: &std::path::Path) -> i32 {
     match rt.block_on(boot_step(&cfg)) {
         Ok(()) => 0,
         Err(e) => e.exit_code(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn section(json: serde_json::Value) -> EnrollConfig {
+        serde_json::from_value(json).unwrap()
+    }
+
+    #[test]
+    fn a_push_source_needs_a_configured_service() {
+        let push = serde_json::json!({"push": {"listen": {"unix": "/run/push.sock"}}});
+        let e = validate(&section(serde_json::json!({"bootstrap": push}))).unwrap_err();
+        assert!(
+            e.starts_with("service: required with bootstrap.push"),
+            "{e}"
+        );
+        validate(&section(serde_json::json!({
+            "bootstrap": push,
+            "service": {"vsock": {"cid": 2, "port": 5002}},
+        })))
+        .unwrap();
+    }
+
+    #[test]
+    fn the_subcommand_refuses_the_memory_store() {
+        let cfg = section(serde_json::json!({
+            "bootstrap": {"file": "/b.json"}, "key_store": "memory",
+        }));
+        validate(&cfg).unwrap();
+        let e = cli_check(&cfg).unwrap_err();
+        assert_eq!(e.exit_code(), 2);
+        assert!(e.to_string().contains("key_store"), "{e}");
     }
 }

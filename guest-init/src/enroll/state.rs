@@ -8,36 +8,50 @@
 //! | `<slot>.key` | the private key (file store only; PKCS#8 DER, `0600`) |
 //! | `<slot>.csr` | the exact CSR DER sent for that key |
 //! | `<slot>.crt` | the certificate DER issued for that key |
-//! | `pending.json` | `{identity, slot, token_sha256}`: a CSR is out, no certificate yet |
+//! | `pending.json` | `{identity, slot, token_sha256}`: a CSR is out, no certificate yet (unconfirmed) |
 //! | `enrolled.json` | `{identity, slot}`: the certificate in force |
+//! | `floor.json` | `{epoch}`: the highest epoch the service confirmed; only rises, never removed |
 //!
 //! A run, under the lock:
-//! 1. **Floor.** Material whose epoch is lower than the enrolled one, or than a pending
-//!    one, is refused: epochs only go up.
+//! 0. **Carry.** An enrolled record's epoch is carried into the floor; then an enrolled
+//!    record whose key the store no longer holds (memory store after a restart) is voided.
+//!    The floor stays: it is not the enrolled record and is never removed with a key.
+//! 1. **Floor.** Material whose epoch is lower than the floor is refused, naming both
+//!    epochs. Only a confirmed epoch (a certificate received and verified) is a floor; a
+//!    pending record never is, because whoever can push material can make one.
 //! 2. **Already done.** If the enrolled identity equals the material's and its certificate
-//!    is still valid, republish it and stop.
+//!    verifies, republish it and stop. If it fails verification (or is missing), re-send
+//!    the *stored* CSR with the *stored* key; never a new key. Any other failure (key store,
+//!    publish directory, I/O) fails the run and changes nothing.
 //! 3. **Pending.** If a pending CSR exists for the same identity, re-send *its* bytes with
 //!    *its* key (across crashes and reboots). If its key is gone (memory store after a
 //!    restart) and the token is the same, fail finally: a new CSR for that token would be
 //!    denied, and making a new key for the same token is what we never do. A pending CSR
-//!    for another identity is discarded with its key.
+//!    for another identity — any epoch, higher ones included — is unconfirmed: it is
+//!    discarded with its key.
 //! 4. **New.** Otherwise generate a key in the key store, build the CSR, and persist the
 //!    key, then `<slot>.csr`, then `pending.json` (the commit point) — all before the first
 //!    byte is sent.
 //! 5. **Exchange** (retryable errors retried; a final error leaves the pending state in
 //!    place, so a later run re-sends the same CSR and never makes a second key for the
-//!    same token).
-//! 6. **Verify** the certificate (key, validity, identity), write `<slot>.crt`, then
-//!    `enrolled.json` (the commit point), publish `cert.pem`, remove `pending.json`, and
-//!    only then remove the previous identity's key, CSR and certificate.
-//! 7. **Collect** any slot file no record refers to (left by a crash between steps).
+//!    same token). With pushed material ([`Enroller::discard_refused`]) a final refusal
+//!    or a bad certificate discards the key and CSR this run made (a resumed pending
+//!    record is put back as it was), so the guest can wait for the next push.
+//! 6. **Verify** the certificate (key, validity, identity, profile), raise `floor.json`
+//!    (durable before anything depends on it), write `<slot>.crt`, then `enrolled.json`
+//!    (the commit point), publish `cert.pem`, remove `pending.json`, and only then remove
+//!    the previous identity's key, CSR and certificate.
+//! 7. **Collect** any slot file no record refers to (left by a crash between steps); if a
+//!    record, the store or the directory cannot be read, nothing is removed.
 //!
 //! Every write is atomic and durable ([`super::files`]); a crash at any point leaves a
 //! state from which the next run continues without a second CSR for the same token.
 //!
-//! Threat: replaying an old identity (epoch rollback), a second CSR for one token (the
-//! service would deny it and the VM would be stuck), the old key being used for a new
-//! identity, and concurrent enrollments racing to make two keys.
+//! Threat: replaying an old identity (epoch rollback, also after the memory store lost its
+//! key), a rogue pusher raising the floor to deny the VM its identity (only the service's
+//! confirmation raises it), a second CSR for one token (the service would deny it and the
+//! VM would be stuck), the old key being used for a new identity, a transient error
+//! deleting the live key, and concurrent enrollments racing to make two keys.
 
 use std::fs::OpenOptions;
 use std::os::unix::fs::OpenOptionsExt;
@@ -58,6 +72,7 @@ use vm_transport::Endpoint;
 
 const PENDING: &str = "pending.json";
 const ENROLLED: &str = "enrolled.json";
+const FLOOR: &str = "floor.json";
 const MAX_RECORD: usize = 4096;
 const MAX_DER: usize = 16 * 1024;
 
@@ -70,6 +85,14 @@ struct PendingRecord {
     identity: Identity,
     slot: String,
     token_sha256: String,
+}
+
+/// The highest revocation epoch the service has confirmed (a certificate received and
+/// verified). Only ever raised; never removed with a key.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FloorRecord {
+    epoch: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -119,6 +142,10 @@ pub struct Enroller<'a> {
     pub timeout: Duration,
     /// Retry policy.
     pub retry: RetryPolicy,
+    /// The material was pushed (anyone on the host may push): a final refusal of it, or a
+    /// certificate that fails verification, discards its pending CSR and key, so the
+    /// guest can wait for another push instead of keeping a rogue document's state.
+    pub discard_refused: bool,
 }
 
 fn state_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> EnrollError {
@@ -206,12 +233,34 @@ impl Enroller<'_> {
         Ok(())
     }
 
+    /// The confirmed epoch floor (`floor.json`), `None` before the first certificate.
+    fn floor(&self) -> Result<Option<u64>, EnrollError> {
+        Ok(self.read_record::<FloorRecord>(FLOOR)?.map(|f| f.epoch))
+    }
+
+    /// Raises the floor to `epoch` (never lowers it); durable before it returns.
+    fn raise_floor(&self, current: Option<u64>, epoch: u64) -> Result<(), EnrollError> {
+        if current.is_some_and(|f| f >= epoch) {
+            return Ok(());
+        }
+        self.write_record(FLOOR, &FloorRecord { epoch })
+    }
+
     async fn run_locked(&self, material: Option<Material>) -> Result<Outcome, EnrollError> {
+        let mut floor = self.floor()?;
         let mut enrolled: Option<EnrolledRecord> = self.read_record(ENROLLED)?;
         let pending: Option<PendingRecord> = self.read_record(PENDING)?;
 
+        // An enrolled record is a confirmed epoch: carry it into the floor first (state
+        // written before the floor record existed), so voiding the record below cannot
+        // lower it.
+        if let Some(e) = &enrolled {
+            self.raise_floor(floor, e.identity.epoch)?;
+            floor = Some(floor.map_or(e.identity.epoch, |f| f.max(e.identity.epoch)));
+        }
+
         // An enrolled record whose key the store no longer has (memory store after a
-        // restart) is void: the VM re-enrolls.
+        // restart) is void: the VM re-enrolls. The floor stays.
         if let Some(e) = &enrolled {
             if !is_slot(&e.slot) || self.store.open(&e.slot)?.is_none() {
                 crate::info!(
@@ -237,50 +286,75 @@ impl Enroller<'_> {
         let id = material.identity();
         let uri = id.uri();
 
-        // 1. The epoch floor.
-        if let Some(e) = &enrolled {
-            if id.epoch < e.identity.epoch {
-                return Err(EnrollError::EpochRollback {
-                    offered: id.epoch,
-                    floor: e.identity.epoch,
-                    what: "enrolled",
-                });
-            }
-        }
-        if let Some(p) = &pending {
-            if id.epoch < p.identity.epoch {
-                return Err(EnrollError::EpochRollback {
-                    offered: id.epoch,
-                    floor: p.identity.epoch,
-                    what: "pending",
-                });
-            }
+        // 1. The epoch floor: only epochs the service confirmed. A pending record is not
+        //    a floor (anyone who can push material could set it).
+        if let Some(f) = floor.filter(|f| id.epoch < *f) {
+            return Err(EnrollError::EpochRollback {
+                offered: id.epoch,
+                floor: f,
+            });
         }
 
-        // 2. Already enrolled for this identity with a valid certificate.
+        // 2. Already enrolled for this identity. Only a certificate that fails
+        //    verification (or is missing) leads back to the service, and then with the
+        //    stored key and CSR: never a second CSR for a token. Any other failure (the
+        //    key store, the publish directory) is an error of this run.
+        let mut reuse: Option<Prepared> = None;
         if let Some(e) = enrolled.as_ref().filter(|e| e.identity == id) {
-            match self.republish(e).await {
-                Ok(o) => {
+            let key = self.store.open(&e.slot)?.ok_or(EnrollError::KeyLost)?;
+            let check = match self.read_slot_file(&e.slot, "crt")? {
+                Some(c) => verify::verify(&c, key.public_sec1(), &e.identity, SystemTime::now())
+                    .map(|()| c),
+                None => Err("the enrolled certificate file is missing".to_owned()),
+            };
+            match check {
+                Ok(cert) => {
+                    self.publish(&cert)?;
                     if pending.is_some() {
                         files::remove_durable(&self.state_dir, PENDING)
                             .map_err(state_err("remove pending.json"))?;
                     }
-                    return Ok(o);
+                    crate::info!("enroll: already enrolled as {uri}");
+                    return Ok(Outcome::AlreadyEnrolled {
+                        uri,
+                        slot: e.slot.clone(),
+                    });
                 }
-                Err(err) => crate::info!(
-                    "enroll: the enrolled certificate is unusable ({err}); enrolling again"
-                ),
+                Err(why) => {
+                    let csr = self.read_slot_file(&e.slot, "csr")?.ok_or_else(|| {
+                        EnrollError::BadCertificate(format!(
+                            "{why}; and the enrolled CSR {}.csr is missing, so it cannot be re-sent",
+                            e.slot
+                        ))
+                    })?;
+                    crate::info!(
+                        "enroll: the enrolled certificate is unusable ({why}); re-sending the stored CSR of key {}",
+                        e.slot
+                    );
+                    reuse = Some(Prepared {
+                        slot: e.slot.clone(),
+                        key,
+                        csr,
+                    });
+                }
             }
         }
 
         // 3./4. The key and the exact CSR bytes to send.
         let token_hash = material.token.sha256_hex();
-        let Prepared { slot, key, csr } = match pending {
-            Some(p) if p.identity == id => match self.resume(&p)? {
+        // What a refused push undoes: a key and CSR made in this run are discarded; a
+        // resumed pending record (its CSR may be committed under another token) is kept
+        // as it was.
+        let mut made_here = false;
+        let mut resumed: Option<PendingRecord> = None;
+        let Prepared { slot, key, csr } = match (reuse, pending) {
+            (Some(prepared), _) => prepared,
+            (None, Some(p)) if p.identity == id => match self.resume(&p)? {
                 Some(prepared) => {
                     crate::info!(
                         "enroll: resuming the pending enrollment of {uri} (same key, same CSR)"
                     );
+                    resumed = Some(p.clone());
                     if p.token_sha256 != token_hash {
                         self.write_record(
                             PENDING,
@@ -295,18 +369,25 @@ impl Enroller<'_> {
                 None if p.token_sha256 == token_hash => return Err(EnrollError::KeyLost),
                 None => {
                     self.discard_pending(&p, enrolled.as_ref())?;
+                    made_here = true;
                     self.start(&id, &token_hash)?
                 }
             },
-            Some(p) => {
+            (None, Some(p)) => {
+                // Unconfirmed: whatever its epoch, material at or above the confirmed
+                // floor replaces it.
                 crate::info!(
-                    "enroll: new identity {uri} supersedes the pending {}; discarding its key",
+                    "enroll: new identity {uri} supersedes the unconfirmed pending {}; discarding its key",
                     p.identity.uri()
                 );
                 self.discard_pending(&p, enrolled.as_ref())?;
+                made_here = true;
                 self.start(&id, &token_hash)?
             }
-            None => self.start(&id, &token_hash)?,
+            (None, None) => {
+                made_here = true;
+                self.start(&id, &token_hash)?
+            }
         };
 
         // 5. The exchange.
@@ -318,19 +399,43 @@ impl Enroller<'_> {
             "enroll: requesting a certificate for {uri} from {service} (csr sha256 {})",
             hex(&Sha256::digest(&csr))
         );
-        let cert = client::exchange(&service, &material.token, &csr, self.timeout, &self.retry)
-            .await
-            .map_err(|e| match e {
-                ExchangeError::Final { code, message } => EnrollError::Denied { code, message },
-                ExchangeError::Exhausted { attempts, last } => {
-                    EnrollError::Unavailable { attempts, last }
-                }
-            })?;
+        let exchanged =
+            client::exchange(&service, &material.token, &csr, self.timeout, &self.retry)
+                .await
+                .map_err(|e| match e {
+                    ExchangeError::Final { code, message } => EnrollError::Denied { code, message },
+                    ExchangeError::Exhausted { attempts, last } => {
+                        EnrollError::Unavailable { attempts, last }
+                    }
+                })
+                .and_then(|cert| {
+                    verify::verify(&cert, key.public_sec1(), &id, SystemTime::now())
+                        .map(|()| cert)
+                        .map_err(EnrollError::BadCertificate)
+                });
         drop(material);
+        let cert = match exchanged {
+            Ok(cert) => cert,
+            Err(e) => {
+                if self.discard_refused
+                    && matches!(
+                        e,
+                        EnrollError::Denied { .. } | EnrollError::BadCertificate(_)
+                    )
+                {
+                    if made_here {
+                        self.abandon(&slot, enrolled.as_ref())?;
+                    } else if let Some(p) = resumed {
+                        self.write_record(PENDING, &p)?;
+                    }
+                }
+                return Err(e);
+            }
+        };
 
-        // 6. Verify, store, publish, retire the old identity.
-        verify::verify(&cert, key.public_sec1(), &id, SystemTime::now())
-            .map_err(EnrollError::BadCertificate)?;
+        // 6. The service confirmed the epoch: raise the floor before anything depends on
+        //    it, then store, publish, retire the old identity.
+        self.raise_floor(floor, id.epoch)?;
         files::write_atomic(&self.state_dir, &format!("{slot}.crt"), &cert, 0o600)
             .map_err(state_err(format!("write {slot}.crt")))?;
         self.write_record(
@@ -357,6 +462,18 @@ impl Enroller<'_> {
             self.publish_dir.join(PUBLISHED_CERT).display()
         );
         Ok(Outcome::Enrolled { uri, slot })
+    }
+
+    /// Forgets refused material: its pending record, and its key unless it is the
+    /// enrolled one.
+    fn abandon(&self, slot: &str, enrolled: Option<&EnrolledRecord>) -> Result<(), EnrollError> {
+        crate::info!("enroll: discarding the refused material's pending CSR and key {slot}");
+        files::remove_durable(&self.state_dir, PENDING)
+            .map_err(state_err("remove pending.json"))?;
+        if enrolled.is_none_or(|e| e.slot != slot) {
+            self.remove_slot(slot)?;
+        }
+        Ok(())
     }
 
     /// Opens a pending slot's key and CSR; `None` when the key is gone.
@@ -442,31 +559,59 @@ impl Enroller<'_> {
         .map_err(state_err(format!("publish {PUBLISHED_CERT}")))
     }
 
-    /// Step 7: removes key, CSR and certificate files no record refers to.
+    /// Step 7: removes key, CSR and certificate files no record refers to. On any doubt
+    /// (a record or the store that cannot be read) it removes nothing: a transient error
+    /// must never delete the live key.
     fn collect_garbage(&self) {
-        let keep: Vec<String> = [
-            self.read_record::<EnrolledRecord>(ENROLLED)
-                .ok()
-                .flatten()
-                .map(|r| r.slot),
-            self.read_record::<PendingRecord>(PENDING)
-                .ok()
-                .flatten()
-                .map(|r| r.slot),
-        ]
-        .into_iter()
-        .flatten()
-        .collect();
-        let mut slots = self.store.slots().unwrap_or_default();
-        if let Ok(rd) = std::fs::read_dir(&self.state_dir) {
-            for e in rd.flatten() {
-                let name = e.file_name();
-                let name = name.to_string_lossy();
-                if let Some((slot, _)) = name.split_once('.') {
-                    if is_slot(slot) && (name.ends_with(".csr") || name.ends_with(".crt")) {
-                        slots.push(slot.to_owned());
+        let records = (|| -> Result<Vec<String>, EnrollError> {
+            Ok([
+                self.read_record::<EnrolledRecord>(ENROLLED)?
+                    .map(|r| r.slot),
+                self.read_record::<PendingRecord>(PENDING)?.map(|r| r.slot),
+            ]
+            .into_iter()
+            .flatten()
+            .collect())
+        })();
+        let keep = match records {
+            Ok(k) => k,
+            Err(e) => {
+                crate::warn!("enroll: leftover slots not collected: {e}");
+                return;
+            }
+        };
+        let mut slots = match self.store.slots() {
+            Ok(s) => s,
+            Err(e) => {
+                crate::warn!("enroll: leftover slots not collected: {e}");
+                return;
+            }
+        };
+        match std::fs::read_dir(&self.state_dir) {
+            Ok(rd) => {
+                for e in rd {
+                    let Ok(e) = e else {
+                        crate::warn!(
+                            "enroll: leftover slots not collected: cannot list {}",
+                            self.state_dir.display()
+                        );
+                        return;
+                    };
+                    let name = e.file_name();
+                    let name = name.to_string_lossy();
+                    if let Some((slot, _)) = name.split_once('.') {
+                        if is_slot(slot) && (name.ends_with(".csr") || name.ends_with(".crt")) {
+                            slots.push(slot.to_owned());
+                        }
                     }
                 }
+            }
+            Err(e) => {
+                crate::warn!(
+                    "enroll: leftover slots not collected: cannot list {}: {e}",
+                    self.state_dir.display()
+                );
+                return;
             }
         }
         for slot in slots {
@@ -481,4 +626,83 @@ impl Enroller<'_> {
 /// The path of the published certificate for a publish directory.
 pub fn published_cert(publish_dir: &Path) -> PathBuf {
     publish_dir.join(PUBLISHED_CERT)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::enroll::file_store::FileKeyStore;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn enroller<'a>(dir: &Path, store: &'a dyn KeyStore) -> Enroller<'a> {
+        Enroller {
+            state_dir: dir.to_path_buf(),
+            publish_dir: dir.with_extension("publish"),
+            store,
+            service: None,
+            timeout: Duration::from_secs(1),
+            retry: RetryPolicy::default(),
+            discard_refused: false,
+        }
+    }
+
+    fn id() -> Identity {
+        Identity {
+            workspace_namespace: "ns".into(),
+            workspace_name: "ws".into(),
+            workspace_uid: "wu".into(),
+            vm_uid: "vm".into(),
+            epoch: 3,
+        }
+    }
+
+    #[test]
+    fn a_record_that_cannot_be_read_makes_garbage_collection_keep_everything() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("state");
+        let store = FileKeyStore::open_dir(&dir).unwrap();
+        let e = enroller(&dir, &store);
+        let (live, _) = store.generate().unwrap();
+        let (leftover, _) = store.generate().unwrap();
+        e.write_record(
+            ENROLLED,
+            &EnrolledRecord {
+                identity: id(),
+                slot: live.clone(),
+            },
+        )
+        .unwrap();
+
+        // Readable records: only the leftover goes.
+        e.collect_garbage();
+        assert!(store.open(&live).unwrap().is_some());
+        assert!(store.open(&leftover).unwrap().is_none());
+
+        // The enrolled record cannot be read (here: its mode was loosened, which the
+        // private read refuses): doubt, so nothing is removed, the live key least of all.
+        let (leftover, _) = store.generate().unwrap();
+        let rec = dir.join(ENROLLED);
+        std::fs::set_permissions(&rec, std::fs::Permissions::from_mode(0o644)).unwrap();
+        e.collect_garbage();
+        assert!(
+            store.open(&live).unwrap().is_some(),
+            "the live key was deleted on a failed read"
+        );
+        assert!(store.open(&leftover).unwrap().is_some());
+    }
+
+    #[test]
+    fn the_floor_only_rises() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("state");
+        let store = FileKeyStore::open_dir(&dir).unwrap();
+        let e = enroller(&dir, &store);
+        assert_eq!(e.floor().unwrap(), None);
+        e.raise_floor(None, 5).unwrap();
+        assert_eq!(e.floor().unwrap(), Some(5));
+        e.raise_floor(Some(5), 4).unwrap();
+        assert_eq!(e.floor().unwrap(), Some(5));
+        e.raise_floor(Some(5), u64::MAX).unwrap();
+        assert_eq!(e.floor().unwrap(), Some(u64::MAX));
+    }
 }

@@ -1,14 +1,24 @@
 //! Checks on the certificate the service returns, before anything is stored.
 //!
-//! The guest accepts a certificate only if:
+//! The guest accepts a certificate only if it fits the workload profile the enrollment
+//! service issues:
 //! 1. it is one well-formed DER X.509 certificate with nothing after it;
-//! 2. its subject public key is exactly our key (SEC1 point equality): a certificate for
-//!    another key, even a valid one, would be useless and could hide a mix-up of CSRs;
-//! 3. it is within its validity window now (`notBefore` may be up to
+//! 2. no extension appears twice (a second `basicConstraints` saying `cA: TRUE` must not
+//!    hide behind a first one that a parser happens to read);
+//! 3. its key is EC on P-256 (`id-ecPublicKey`, `prime256v1`), and its subject public key
+//!    is exactly our key (SEC1 point equality): a certificate for another key, even a
+//!    valid one, would be useless and could hide a mix-up of CSRs;
+//! 4. it is within its validity window now (`notBefore` may be up to
 //!    [`CLOCK_SKEW`] in the future, for a guest clock slightly behind the service's);
-//! 4. its URI subject alternative names are exactly one, equal to our identity URI
-//!    (workspace, VM UID, epoch); no other URI identity may ride along;
-//! 5. it is not a CA certificate.
+//! 5. its subject alternative names are exactly one, a URI equal to our identity URI
+//!    (workspace, VM UID, epoch): no other identity (URI, DNS name, address, mail) may
+//!    ride along;
+//! 6. it is not a CA certificate;
+//! 7. `keyUsage` is present, has `digitalSignature`, and has neither `keyCertSign` nor
+//!    `cRLSign` (a workload key signs handshakes, never certificates or CRLs);
+//! 8. `extendedKeyUsage` is present and has `clientAuth` (the VM authenticates to
+//!    platform services with it); `serverAuth` may accompany it (a VM may also serve
+//!    mTLS); any other purpose, `anyExtendedKeyUsage` included, is refused.
 //!
 //! The chain to the platform's CA is not checked here: the guest holds no trust anchor in
 //! the bootstrap format, and the parties that rely on the certificate (mTLS peers) check
@@ -19,6 +29,7 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use x509_parser::oid_registry::{OID_EC_P256, OID_KEY_TYPE_EC_PUBLIC_KEY};
 use x509_parser::prelude::*;
 
 use super::identity::Identity;
@@ -38,7 +49,30 @@ pub fn verify(
     if !rest.is_empty() {
         return Err(format!("{} bytes follow the certificate", rest.len()));
     }
-    if &*cert.public_key().subject_public_key.data != public_sec1 {
+    let mut seen = Vec::new();
+    for ext in cert.extensions() {
+        if seen.contains(&&ext.oid) {
+            return Err(format!(
+                "the extension {} appears more than once",
+                ext.oid.to_id_string()
+            ));
+        }
+        seen.push(&ext.oid);
+    }
+    let spki = cert.public_key();
+    let curve = spki
+        .algorithm
+        .parameters
+        .as_ref()
+        .and_then(|p| p.as_oid().ok());
+    if spki.algorithm.algorithm != OID_KEY_TYPE_EC_PUBLIC_KEY || curve != Some(OID_EC_P256) {
+        return Err(format!(
+            "the key algorithm is {} (curve {}), not EC P-256",
+            spki.algorithm.algorithm.to_id_string(),
+            curve.map_or_else(|| "none".into(), |c| c.to_id_string())
+        ));
+    }
+    if &*spki.subject_public_key.data != public_sec1 {
         return Err("the certificate is for another public key, not ours".into());
     }
     let now_s = now
@@ -55,22 +89,60 @@ pub fn verify(
     if v.not_after.timestamp() <= now_s {
         return Err(format!("expired (notAfter {})", v.not_after));
     }
-    let mut uris = Vec::new();
-    if let Ok(Some(san)) = cert.subject_alternative_name() {
-        for n in &san.value.general_names {
-            if let GeneralName::URI(u) = n {
-                uris.push(u.to_string());
-            }
-        }
+    let mut names = Vec::new();
+    let san = cert
+        .subject_alternative_name()
+        .map_err(|e| format!("the subjectAltName extension is malformed: {e}"))?;
+    for n in san.iter().flat_map(|s| s.value.general_names.iter()) {
+        names.push(match n {
+            GeneralName::URI(u) => u.to_string(),
+            other => format!("{other}"),
+        });
     }
     let want = id.uri();
-    if uris != [want.clone()] {
+    if names != [want.clone()] {
         return Err(format!(
-            "identity mismatch: the certificate names {uris:?}, expected exactly [{want:?}]"
+            "identity mismatch: the certificate names {names:?}, expected exactly [{want:?}] and no other name"
         ));
     }
-    if cert.is_ca() {
+    let ca = cert
+        .basic_constraints()
+        .map_err(|e| format!("the basicConstraints extension is malformed: {e}"))?;
+    if ca.is_some_and(|b| b.value.ca) {
         return Err("it is a CA certificate".into());
+    }
+    let ku = cert
+        .key_usage()
+        .map_err(|e| format!("the keyUsage extension is malformed: {e}"))?
+        .ok_or("it has no keyUsage extension; the profile needs digitalSignature")?;
+    if !ku.value.digital_signature() {
+        return Err(format!("keyUsage ({}) lacks digitalSignature", ku.value));
+    }
+    if ku.value.key_cert_sign() || ku.value.crl_sign() {
+        return Err(format!(
+            "keyUsage ({}) allows signing certificates or CRLs",
+            ku.value
+        ));
+    }
+    let eku = cert
+        .extended_key_usage()
+        .map_err(|e| format!("the extendedKeyUsage extension is malformed: {e}"))?
+        .ok_or("it has no extendedKeyUsage extension; the profile needs clientAuth")?
+        .value;
+    if !eku.client_auth {
+        return Err("extendedKeyUsage lacks clientAuth".into());
+    }
+    if eku.any
+        || eku.code_signing
+        || eku.email_protection
+        || eku.time_stamping
+        || eku.ocsp_signing
+        || !eku.other.is_empty()
+    {
+        return Err(
+            "extendedKeyUsage has a purpose outside the profile (only clientAuth and serverAuth are allowed)"
+                .into(),
+        );
     }
     Ok(())
 }
@@ -103,9 +175,9 @@ mod tests {
         }
     }
 
-    /// A certificate for `key` (self-signed through the external signer: the guest checks
-    /// key, validity, identity and CA flag, not the issuer).
-    fn cert(key: &P256Key, uris: &[String], from: i64, to: i64, ca: bool) -> Vec<u8> {
+    /// The parameters of a profile-conforming certificate for `uris`, valid from `from` to
+    /// `to` seconds around now.
+    fn params(uris: &[String], from: i64, to: i64) -> rcgen::CertificateParams {
         let mut p = rcgen::CertificateParams::default();
         p.serial_number = Some(vec![1, 2, 3].into());
         p.subject_alt_names = uris
@@ -122,10 +194,163 @@ mod tests {
         };
         p.not_before = at(from).into();
         p.not_after = at(to).into();
+        p.is_ca = rcgen::IsCa::ExplicitNoCa;
+        p.key_usages = vec![rcgen::KeyUsagePurpose::DigitalSignature];
+        p.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+        p
+    }
+
+    /// A certificate for `key` (self-signed through the external signer: the guest checks
+    /// key, validity, identity and profile, not the issuer).
+    fn cert(key: &P256Key, uris: &[String], from: i64, to: i64, ca: bool) -> Vec<u8> {
+        let mut p = params(uris, from, to);
         if ca {
             p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
         }
         p.self_signed(&RcgenSigner(key)).unwrap().der().to_vec()
+    }
+
+    /// A profile-conforming certificate for `key` and identity `me`, changed by `edit`.
+    fn cert_with(
+        key: &P256Key,
+        me: &Identity,
+        edit: impl FnOnce(&mut rcgen::CertificateParams),
+    ) -> Vec<u8> {
+        let mut p = params(&[me.uri()], -60, 3600);
+        edit(&mut p);
+        p.self_signed(&RcgenSigner(key)).unwrap().der().to_vec()
+    }
+
+    fn refused(der: &[u8], key: &P256Key, me: &Identity) -> String {
+        verify(der, key.public_sec1(), me, SystemTime::now()).unwrap_err()
+    }
+
+    #[test]
+    fn a_duplicate_extension_is_refused() {
+        // A second basicConstraints with cA TRUE (SEQUENCE { BOOLEAN TRUE }) after the
+        // first one saying "not a CA".
+        let key = P256Key::generate("test").unwrap();
+        let me = id(1);
+        let der = cert_with(&key, &me, |p| {
+            p.custom_extensions
+                .push(rcgen::CustomExtension::from_oid_content(
+                    &[2, 5, 29, 19],
+                    vec![0x30, 0x03, 0x01, 0x01, 0xff],
+                ));
+        });
+        let e = refused(&der, &key, &me);
+        assert!(e.contains("2.5.29.19 appears more than once"), "{e}");
+    }
+
+    #[test]
+    fn key_usage_must_be_digital_signature_and_never_certificate_signing() {
+        let key = P256Key::generate("test").unwrap();
+        let me = id(1);
+        for (usages, want) in [
+            (vec![], "no keyUsage"),
+            (
+                vec![rcgen::KeyUsagePurpose::KeyEncipherment],
+                "lacks digitalSignature",
+            ),
+            (
+                vec![
+                    rcgen::KeyUsagePurpose::DigitalSignature,
+                    rcgen::KeyUsagePurpose::KeyCertSign,
+                ],
+                "certificates or CRLs",
+            ),
+            (
+                vec![
+                    rcgen::KeyUsagePurpose::DigitalSignature,
+                    rcgen::KeyUsagePurpose::CrlSign,
+                ],
+                "certificates or CRLs",
+            ),
+        ] {
+            let der = cert_with(&key, &me, |p| p.key_usages = usages.clone());
+            let e = refused(&der, &key, &me);
+            assert!(e.contains(want), "{usages:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn extended_key_usage_must_be_client_auth_with_at_most_server_auth() {
+        use rcgen::ExtendedKeyUsagePurpose as P;
+        let key = P256Key::generate("test").unwrap();
+        let me = id(1);
+        let ok = cert_with(&key, &me, |p| {
+            p.extended_key_usages = vec![P::ClientAuth, P::ServerAuth]
+        });
+        verify(&ok, key.public_sec1(), &me, SystemTime::now()).unwrap();
+        for (ekus, want) in [
+            (vec![], "no extendedKeyUsage"),
+            (vec![P::ServerAuth], "lacks clientAuth"),
+            (vec![P::ClientAuth, P::CodeSigning], "outside the profile"),
+            (vec![P::ClientAuth, P::Any], "outside the profile"),
+            (
+                vec![P::ClientAuth, P::Other(vec![1, 3, 6, 1, 4, 1, 99999, 1])],
+                "outside the profile",
+            ),
+        ] {
+            let der = cert_with(&key, &me, |p| p.extended_key_usages = ekus.clone());
+            let e = refused(&der, &key, &me);
+            assert!(e.contains(want), "{ekus:?}: {e}");
+        }
+    }
+
+    /// Our public key bytes, declared under another algorithm.
+    struct Declared<'a>(&'a [u8], &'static rcgen::SignatureAlgorithm);
+    impl rcgen::PublicKeyData for Declared<'_> {
+        fn der_bytes(&self) -> &[u8] {
+            self.0
+        }
+        fn algorithm(&self) -> &'static rcgen::SignatureAlgorithm {
+            self.1
+        }
+    }
+
+    #[test]
+    fn the_key_must_be_ec_p256() {
+        let key = P256Key::generate("test").unwrap();
+        let me = id(1);
+        let issuer = rcgen::Issuer::new(params(&[], -60, 3600), RcgenSigner(&key));
+        for (alg, want) in [
+            (&rcgen::PKCS_ECDSA_P384_SHA384, "curve 1.3.132.0.34"),
+            (&rcgen::PKCS_ED25519, "key algorithm is 1.3.101.112"),
+        ] {
+            let der = params(&[me.uri()], -60, 3600)
+                .signed_by(&Declared(key.public_sec1(), alg), &issuer)
+                .unwrap()
+                .der()
+                .to_vec();
+            let e = refused(&der, &key, &me);
+            assert!(e.contains(want) && e.contains("not EC P-256"), "{e}");
+        }
+        // The control: the same construction with P-256 passes.
+        let der = params(&[me.uri()], -60, 3600)
+            .signed_by(
+                &Declared(key.public_sec1(), &rcgen::PKCS_ECDSA_P256_SHA256),
+                &issuer,
+            )
+            .unwrap()
+            .der()
+            .to_vec();
+        verify(&der, key.public_sec1(), &me, SystemTime::now()).unwrap();
+    }
+
+    #[test]
+    fn the_identity_uri_must_be_the_only_subject_alternative_name() {
+        let key = P256Key::generate("test").unwrap();
+        let me = id(1);
+        for extra in [
+            rcgen::SanType::DnsName("vm.example".try_into().unwrap()),
+            rcgen::SanType::IpAddress([10, 0, 0, 1].into()),
+            rcgen::SanType::Rfc822Name("vm@example.org".try_into().unwrap()),
+        ] {
+            let der = cert_with(&key, &me, |p| p.subject_alt_names.push(extra.clone()));
+            let e = refused(&der, &key, &me);
+            assert!(e.contains("no other name"), "{extra:?}: {e}");
+        }
     }
 
     #[test]
