@@ -47,7 +47,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use nix::errno::Errno;
-use nix::fcntl::{openat, renameat2, OFlag, RenameFlags, AT_FDCWD};
+use nix::fcntl::{openat, OFlag, AT_FDCWD};
 use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, UnixAddr};
 use nix::sys::stat::{fchmodat, fstat, fstatat, mkdirat, FchmodatFlags, FileStat, Mode, SFlag};
 use nix::unistd::{fchownat, unlinkat, Gid, Uid, UnlinkatFlags};
@@ -238,13 +238,7 @@ pub fn publish(
         nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
     )
     .map_err(|e| PublishError::io(path, "inspect the new socket", e))?;
-    match renameat2(
-        &private.fd,
-        PrivateDir::ENTRY,
-        &parent,
-        name,
-        RenameFlags::RENAME_NOREPLACE,
-    ) {
+    match rename_noreplace(&private.fd, PrivateDir::ENTRY.as_ref(), &parent, name) {
         Ok(()) => {}
         Err(Errno::EEXIST) => {
             // Something appeared at the path after it was cleared: not ours to replace.
@@ -280,6 +274,38 @@ pub fn publish(
         return Err(PublishError::io(path, "listen", e));
     }
     Ok(Published { fd, file })
+}
+
+/// `renameat2(..., RENAME_NOREPLACE)`: moves `from` to `to` unless something is there.
+///
+/// Through `libc::syscall`: nix offers `renameat2` only with glibc, and guest-init is a
+/// musl binary; the system call itself is the same everywhere (Linux 3.15+).
+fn rename_noreplace(
+    from_dir: &OwnedFd,
+    from: &OsStr,
+    to_dir: &OwnedFd,
+    to: &OsStr,
+) -> Result<(), Errno> {
+    let from = std::ffi::CString::new(from.as_bytes()).map_err(|_| Errno::EINVAL)?;
+    let to = std::ffi::CString::new(to.as_bytes()).map_err(|_| Errno::EINVAL)?;
+    // SAFETY: both paths are NUL-terminated C strings that outlive the call, and both
+    // directory descriptors are open (borrowed for the call); renameat2 reads only those
+    // arguments and writes no memory of ours.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_renameat2,
+            from_dir.as_raw_fd(),
+            from.as_ptr(),
+            to_dir.as_raw_fd(),
+            to.as_ptr(),
+            libc::RENAME_NOREPLACE,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(Errno::last())
+    }
 }
 
 /// A stale socket (nobody listening) is removed; a live one, or anything else, refused.

@@ -3,8 +3,8 @@
 //! All three paths (direct, chain, socat chain) end at this same service, so a difference
 //! between paths is the cost of the hops and nothing else. It is deliberately plain and
 //! fast: blocking sockets, one thread per connection (a small stack, one 64 KiB heap
-//! buffer), the way the earlier measurements in `/work/shared/notes/performance.md` were
-//! taken, so the figures stay comparable with them.
+//! buffer), so the service costs the same on every path and never becomes the
+//! bottleneck being measured.
 //!
 //! The listener is created with a 4,096 backlog (the kernel's `somaxconn` here) instead of
 //! the standard library's 128: a burst of 5,000 connects would otherwise be throttled by
@@ -18,12 +18,10 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use nix::sys::socket::{self, AddressFamily, Backlog, SockFlag, SockType, UnixAddr};
+use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, UnixAddr};
 
-/// Listen backlog for every listener the benchmark creates.
-pub const BACKLOG: i32 = 4096;
-
-/// Binds a Unix stream listener at `path` with [`BACKLOG`].
+/// Binds a Unix stream listener at `path` with the 4096 backlog of
+/// [`vm_transport::listener`] (not nix's `Backlog`, which refuses anything above 128).
 pub fn listen(path: &Path) -> io::Result<UnixListener> {
     let fd = socket::socket(
         AddressFamily::Unix,
@@ -32,7 +30,7 @@ pub fn listen(path: &Path) -> io::Result<UnixListener> {
         None,
     )?;
     socket::bind(fd.as_raw_fd(), &UnixAddr::new(path)?)?;
-    socket::listen(&fd, Backlog::new(BACKLOG).unwrap_or(Backlog::MAXCONN))?;
+    vm_transport::listener::listen_on(&fd)?;
     Ok(UnixListener::from(fd))
 }
 
