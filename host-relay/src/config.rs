@@ -3,21 +3,23 @@
 //! One process serves one app: every service the app declared is an *instance* (its own
 //! listener and accept loop), and every platform service it did not declare is listed too,
 //! so the relay can listen there and refuse (see [`crate::admission`]). The file says where
-//! the guest's connections arrive (`mode`), which app they belong to, and where each
+//! the guest's connections arrive (`transport`, a tagged enum carrying exactly what each
+//! transport needs), which app they belong to, and where each
 //! declared service's connections go (`upstream`, the service's per-app endpoint or its
 //! shared socket dialled as the app's user, see [`crate::privileges`]).
 //!
 //! Parsing is strict: unknown fields are refused (`deny_unknown_fields`), so a typo never
-//! silently turns off a check. [`Config::validate`] then checks what serde cannot (a mode's
-//! required fields, unique ports, a per-app client address for the `substitute` policy...)
+//! silently turns off a check. [`Config::validate`] then checks what serde cannot (a
+//! registered CID's range, a path for every service in the unix transport, unique ports, a per-app client address for the `substitute` policy...)
 //! and every error names the field and how to fix it. Field reference: `docs/RELAY.md`.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use vm_transport::mode::SocketMode;
+use vm_transport::vsock::{FIRST_GUEST_CID, VMADDR_CID_ANY, VMADDR_CID_LOCAL};
 use vm_transport::Endpoint;
 
 use crate::dovecot::{Cidr, DEFAULT_ALLOW_FIELDS};
@@ -60,17 +62,29 @@ fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
     }
 }
 
-/// Where the guest's connections arrive.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Mode {
+/// Where the guest's connections arrive, with exactly the fields each transport needs.
+///
+/// In JSON: `{"per_vm_socket": {"vsock_uds": "/run/vm1/vm.vsock"}}`, `{"cid": {"cid": 7}}`
+/// or `{"unix": {"listen": {"dovecot-auth": "/run/relay/auth.sock"}}}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum Transport {
     /// Hybrid vsock (Cloud Hypervisor, Firecracker, vhost-device-vsock): a Unix socket at
-    /// `<vm.vsock_uds>_<port>`. Only the VM's VMM can reach it.
-    PerVmSocket,
-    /// Kernel vhost-vsock (QEMU): `AF_VSOCK` on `port`, admitting only peer CID `vm.cid`.
-    Cid,
-    /// An explicit Unix path per service (`listen`): native use and tests.
-    Unix,
+    /// `<vsock_uds>_<port>`. Only the VM's VMM can reach it.
+    PerVmSocket {
+        /// The VMM's hybrid vsock socket (absolute path).
+        vsock_uds: PathBuf,
+    },
+    /// Kernel vhost-vsock (QEMU): `AF_VSOCK` on `port`, admitting only peer CID `cid`.
+    Cid {
+        /// The CID the platform registered for this VM.
+        cid: u32,
+    },
+    /// An explicit Unix path per service: native use and tests.
+    Unix {
+        /// Listening path of every service, declared or not, by name.
+        listen: BTreeMap<String, PathBuf>,
+    },
 }
 
 /// The VM the relay serves.
@@ -79,12 +93,6 @@ pub enum Mode {
 pub struct VmConfig {
     /// The VM's id (log lines only).
     pub id: String,
-    /// The VMM's hybrid vsock socket (per-VM-socket mode).
-    #[serde(default)]
-    pub vsock_uds: Option<PathBuf>,
-    /// The CID the platform registered for this VM (CID mode).
-    #[serde(default)]
-    pub cid: Option<u32>,
     /// The VM's gateway addresses: a `rip` equal to one of them is not a client.
     #[serde(default)]
     pub gateways: Vec<IpAddr>,
@@ -184,9 +192,6 @@ pub struct ServiceConfig {
     /// `stream` (default) or `dovecot-auth`.
     #[serde(default)]
     pub kind: Kind,
-    /// Listening path (unix mode only).
-    #[serde(default)]
-    pub listen: Option<PathBuf>,
     /// Where connections go: the per-app endpoint (option a), or the service's socket
     /// dialled as the app's user (option b, with `run_as`).
     pub upstream: Endpoint,
@@ -203,9 +208,6 @@ pub struct UndeclaredConfig {
     pub name: String,
     /// Its vsock port.
     pub port: u32,
-    /// Listening path (unix mode only).
-    #[serde(default)]
-    pub listen: Option<PathBuf>,
 }
 
 /// The whole file.
@@ -217,7 +219,7 @@ pub struct Config {
     /// The VM.
     pub vm: VmConfig,
     /// Where guest connections arrive.
-    pub mode: Mode,
+    pub transport: Transport,
     /// The guest-facing socket files.
     #[serde(default)]
     pub socket: SocketConfig,
@@ -278,31 +280,28 @@ impl Config {
                 "gives access to other users: any local user could speak as this VM; use 0600 or 0660",
             ));
         }
-        match self.mode {
-            Mode::PerVmSocket => match &self.vm.vsock_uds {
-                Some(p) if p.is_absolute() => {}
-                _ => {
-                    return Err(invalid(
-                        "vm.vsock_uds",
-                        "per_vm_socket mode needs the VMM's absolute hybrid vsock socket path",
-                    ))
-                }
-            },
+        match &self.transport {
+            Transport::PerVmSocket { vsock_uds } if !vsock_uds.is_absolute() => {
+                return Err(invalid(
+                    "transport.per_vm_socket.vsock_uds",
+                    "must be the VMM's absolute hybrid vsock socket path",
+                ))
+            }
+            Transport::PerVmSocket { .. } => {}
             // CID 1 (VMADDR_CID_LOCAL) is accepted too: with it the relay admits only
             // loopback peers of its own kernel, never a VM. It exists so the real AF_VSOCK
             // accept path can be exercised inside a guest over `vsock_loopback` (the VM
             // tests do); 0 (hypervisor), 2 (host) and VMADDR_CID_ANY stay refused.
-            Mode::Cid => match self.vm.cid {
-                Some(cid) if cid == 1 || (3..u32::MAX).contains(&cid) => {}
-                _ => {
+            Transport::Cid { cid } => {
+                if !(*cid == VMADDR_CID_LOCAL || (FIRST_GUEST_CID..VMADDR_CID_ANY).contains(cid)) {
                     return Err(invalid(
-                        "vm.cid",
-                        "cid mode needs the guest CID the platform registered (3 or above; \
-                         1 only to test over vsock_loopback)",
-                    ))
+                        "transport.cid.cid",
+                        "must be the guest CID the platform registered (3 or above; \
+                         0, 2 and 4294967295 never name a guest)",
+                    ));
                 }
-            },
-            Mode::Unix => {}
+            }
+            Transport::Unix { listen } => self.check_unix_paths(listen)?,
         }
         if let Some(r) = &self.run_as {
             crate::privileges::check_run_as(r).map_err(|e| invalid(e.field, e.reason))?;
@@ -323,7 +322,6 @@ impl Config {
             if !ports.insert(s.port) {
                 return Err(invalid(format!("{f}.port"), "port used twice"));
             }
-            self.check_listen(&f, s.listen.as_deref())?;
             s.upstream
                 .validate()
                 .map_err(|r| invalid(format!("{f}.upstream"), r))?;
@@ -346,7 +344,6 @@ impl Config {
             if !ports.insert(u.port) {
                 return Err(invalid(format!("{f}.port"), "port used twice"));
             }
-            self.check_listen(&f, u.listen.as_deref())?;
         }
         // The resulting listen endpoints must be valid socket addresses.
         for l in self.listeners() {
@@ -357,19 +354,39 @@ impl Config {
         Ok(())
     }
 
-    fn check_listen(&self, f: &str, listen: Option<&Path>) -> Result<(), ConfigError> {
-        match (self.mode, listen) {
-            (Mode::Unix, Some(p)) if p.is_absolute() => Ok(()),
-            (Mode::Unix, _) => Err(invalid(
-                format!("{f}.listen"),
-                "unix mode needs an absolute listening path for every service",
-            )),
-            (_, Some(_)) => Err(invalid(
-                format!("{f}.listen"),
-                "only used in unix mode; remove it (the port decides where to listen)",
-            )),
-            (_, None) => Ok(()),
+    /// Unix transport: one absolute path for every service, declared or not, and no path
+    /// for a service that does not exist.
+    fn check_unix_paths(&self, listen: &BTreeMap<String, PathBuf>) -> Result<(), ConfigError> {
+        let names: Vec<&str> = self
+            .services
+            .iter()
+            .map(|s| s.name.as_str())
+            .chain(self.undeclared.iter().map(|u| u.name.as_str()))
+            .collect();
+        for n in &names {
+            match listen.get(*n) {
+                Some(p) if p.is_absolute() => {}
+                Some(_) => {
+                    return Err(invalid(
+                        format!("transport.unix.listen.{n}"),
+                        "must be an absolute path",
+                    ))
+                }
+                None => {
+                    return Err(invalid(
+                        format!("transport.unix.listen.{n}"),
+                        "missing: the unix transport needs a listening path for every service",
+                    ))
+                }
+            }
         }
+        if let Some(extra) = listen.keys().find(|k| !names.contains(&k.as_str())) {
+            return Err(invalid(
+                format!("transport.unix.listen.{extra}"),
+                "names no service in services or undeclared; remove it or fix the name",
+            ));
+        }
+        Ok(())
     }
 
     fn check_dovecot(&self, f: &str, d: &DovecotConfig) -> Result<(), ConfigError> {
@@ -414,33 +431,34 @@ impl Config {
             .unwrap_or_else(|| DEFAULT_ALLOW_FIELDS.iter().map(|s| s.to_string()).collect())
     }
 
-    /// Where a service with `port` (and `listen` in unix mode) listens.
-    pub fn endpoint_for(&self, port: u32, listen: Option<&Path>) -> Endpoint {
-        match self.mode {
-            Mode::PerVmSocket => {
-                let uds = self.vm.vsock_uds.as_deref().unwrap_or(Path::new(""));
-                let mut s = uds.as_os_str().to_owned();
+    /// Where the service `name` with `port` listens.
+    pub fn endpoint_for(&self, name: &str, port: u32) -> Endpoint {
+        match &self.transport {
+            Transport::PerVmSocket { vsock_uds } => {
+                let mut s = vsock_uds.as_os_str().to_owned();
                 s.push(format!("_{port}"));
                 Endpoint::Unix(PathBuf::from(s))
             }
-            Mode::Cid => Endpoint::Vsock {
-                cid: u32::MAX,
+            Transport::Cid { .. } => Endpoint::Vsock {
+                cid: VMADDR_CID_ANY,
                 port,
             },
-            Mode::Unix => Endpoint::Unix(listen.map(Path::to_path_buf).unwrap_or_default()),
+            Transport::Unix { listen } => {
+                Endpoint::Unix(listen.get(name).cloned().unwrap_or_default())
+            }
         }
     }
 
     /// Every listener, declared services first, then undeclared ones.
     pub fn listeners(&self) -> Vec<ListenSpec> {
-        let declared = self.services.iter().map(|s| (&s.name, s.port, &s.listen));
-        let undeclared = self.undeclared.iter().map(|u| (&u.name, u.port, &u.listen));
+        let declared = self.services.iter().map(|s| (&s.name, s.port));
+        let undeclared = self.undeclared.iter().map(|u| (&u.name, u.port));
         declared
             .chain(undeclared)
-            .map(|(name, port, listen)| ListenSpec {
+            .map(|(name, port)| ListenSpec {
                 name: name.clone(),
                 port,
-                endpoint: self.endpoint_for(port, listen.as_deref()),
+                endpoint: self.endpoint_for(name, port),
             })
             .collect()
     }
@@ -453,8 +471,8 @@ mod tests {
     fn base() -> serde_json::Value {
         serde_json::json!({
             "app": "radicale",
-            "vm": {"id": "vm1", "vsock_uds": "/run/vm1/vm.vsock", "cid": 3, "gateways": ["10.0.2.2"]},
-            "mode": "per_vm_socket",
+            "vm": {"id": "vm1", "gateways": ["10.0.2.2"]},
+            "transport": {"per_vm_socket": {"vsock_uds": "/run/vm1/vm.vsock"}},
             "services": [{"name": "dovecot-auth", "port": 5001, "kind": "dovecot-auth",
                           "upstream": {"unix": "/run/dovecot/auth-radicale"},
                           "dovecot": {"client_address": "100.64.0.7"}}],
@@ -500,12 +518,21 @@ mod tests {
         v["services"][0]["dovecot"]["client_address"] = "10.0.2.2".into();
         assert!(err(v).contains("gateway"));
         let mut v = base();
-        v["vm"]["vsock_uds"] = serde_json::Value::Null;
-        assert!(err(v).starts_with("vm.vsock_uds"));
+        v["transport"]["per_vm_socket"]["vsock_uds"] = "vm.vsock".into();
+        assert!(err(v).starts_with("transport.per_vm_socket.vsock_uds"));
+        let mut v = base();
+        v["transport"] = serde_json::json!({"per_vm_socket": {}});
+        let e = err(v);
+        assert!(e.starts_with("transport.per_vm_socket"), "{e}");
+        let mut v = base();
+        v["transport"] = serde_json::json!({"cid": {"cid": 2}});
+        assert!(err(v).starts_with("transport.cid.cid"));
+        let mut v = base();
+        v["transport"] = serde_json::json!({"cid": {"cid": 7, "vsock_uds": "/x"}});
+        assert!(err(v).contains("vsock_uds"));
         let mut v = base();
         v["mode"] = "cid".into();
-        v["vm"]["cid"] = 2.into();
-        assert!(err(v).starts_with("vm.cid"));
+        assert!(err(v).contains("mode"));
         let mut v = base();
         v["undeclared"][0]["port"] = 5001.into();
         assert!(err(v).starts_with("undeclared[0].port"));
@@ -525,11 +552,19 @@ mod tests {
         v["run_as"] = serde_json::json!({"uid": 1000, "gid": 1000, "groups": [5, 0]});
         assert!(err(v).starts_with("run_as.groups[1]"));
         let mut v = base();
-        v["mode"] = "unix".into();
-        assert!(err(v).starts_with("services[0].listen"));
+        v["transport"] = serde_json::json!({"unix": {"listen": {"dovecot-auth": "/a"}}});
+        assert!(err(v).starts_with("transport.unix.listen.agent"));
+        let mut v = base();
+        v["transport"] =
+            serde_json::json!({"unix": {"listen": {"dovecot-auth": "a", "agent": "/b"}}});
+        assert!(err(v).starts_with("transport.unix.listen.dovecot-auth"));
+        let mut v = base();
+        v["transport"] = serde_json::json!({"unix": {"listen":
+            {"dovecot-auth": "/a", "agent": "/b", "typo": "/c"}}});
+        assert!(err(v).starts_with("transport.unix.listen.typo"));
         let mut v = base();
         v["services"][0]["listen"] = "/x".into();
-        assert!(err(v).starts_with("services[0].listen"));
+        assert!(err(v).contains("listen"));
         let mut v = base();
         v["services"][0]["dovecot"]["allow_fields"] = serde_json::json!(["resp"]);
         assert!(err(v).starts_with("services[0].dovecot.allow_fields[0]"));
@@ -548,7 +583,7 @@ mod tests {
     fn drop_policy_needs_no_address_and_cid_mode_listens_on_vsock_any() {
         let mut v = base();
         v["services"][0]["dovecot"] = serde_json::json!({"rip_policy": "drop"});
-        v["mode"] = "cid".into();
+        v["transport"] = serde_json::json!({"cid": {"cid": 7}});
         let c = Config::parse(&v.to_string()).unwrap();
         assert_eq!(
             c.listeners()[0].endpoint,

@@ -177,8 +177,8 @@ mod tests {
         Config::parse(
             &serde_json::json!({
                 "app": "a",
-                "vm": {"id": "v", "vsock_uds": dir.join("vm.vsock")},
-                "mode": "per_vm_socket",
+                "vm": {"id": "v"},
+                "transport": {"per_vm_socket": {"vsock_uds": dir.join("vm.vsock")}},
                 "socket": {"mode": mode},
                 "services": [{"name": "s", "port": 5001, "upstream": {"unix": "/nonexistent"}}],
                 "undeclared": [{"name": "agent", "port": 5003}]

@@ -32,7 +32,8 @@ use vm_transport::accept::{self, Accepted, Failure};
 use vm_transport::{pump, Conn, Endpoint, Listener, Peer};
 
 use crate::admission::{decide, Decision, Gate, Transport};
-use crate::config::{Config, Kind, Mode, RipPolicy};
+use crate::config;
+use crate::config::{Config, Kind, RipPolicy};
 use crate::dovecot::{FilterError, GuestFilter, Policy, RipRule};
 use crate::listen::Bound;
 
@@ -57,12 +58,10 @@ pub struct Instance {
 /// Builds the instance for a listener: `service` indexes `config.services`, `None` is an
 /// undeclared service.
 pub fn instance(config: &Config, service: Option<usize>, name: &str) -> Instance {
-    let transport = match (config.mode, config.vm.cid) {
-        (Mode::PerVmSocket, _) => Transport::PerVmSocket,
-        (Mode::Cid, Some(registered)) => Transport::Cid { registered },
-        // Validation requires a CID in cid mode; without one nobody is admitted.
-        (Mode::Cid, None) => Transport::Cid { registered: 0 },
-        (Mode::Unix, _) => Transport::Unix,
+    let transport = match &config.transport {
+        config::Transport::PerVmSocket { .. } => Transport::PerVmSocket,
+        config::Transport::Cid { cid } => Transport::Cid { registered: *cid },
+        config::Transport::Unix { .. } => Transport::Unix,
     };
     let svc = service.and_then(|i| config.services.get(i));
     let filter = svc.filter(|s| s.kind == Kind::DovecotAuth).map(|s| {
@@ -218,8 +217,8 @@ mod tests {
         let c = Config::parse(
             &serde_json::json!({
                 "app": "a",
-                "vm": {"id": "v", "cid": 9, "gateways": ["10.0.2.2"]},
-                "mode": "cid",
+                "vm": {"id": "v", "gateways": ["10.0.2.2"]},
+                "transport": {"cid": {"cid": 9}},
                 "services": [{"name": "auth", "port": 5001, "kind": "dovecot-auth",
                               "upstream": {"unix": "/run/auth-a"},
                               "dovecot": {"client_address": "100.64.0.3"}}],

@@ -124,10 +124,9 @@ pub fn relay_config(vm_id: &str, vsock_uds: &Path, auth_client: &Path) -> Value 
         "app": "radicale",
         "vm": {
             "id": vm_id,
-            "vsock_uds": vsock_uds,
             "gateways": [GATEWAY]
         },
-        "mode": "per_vm_socket",
+        "transport": { "per_vm_socket": { "vsock_uds": vsock_uds } },
         "socket": { "mode": "0600" },
         "services": [{
             "name": "dovecot-auth",

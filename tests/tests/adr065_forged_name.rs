@@ -22,9 +22,8 @@ fn config(app: &str, dir: &Path, upstream: &Path, run_as: Option<u32>) -> serde_
     let mut c = serde_json::json!({
         "app": app,
         "vm": {"id": format!("vm-{app}"), "gateways": ["10.0.2.2"]},
-        "mode": "unix",
+        "transport": {"unix": {"listen": {"dovecot-auth": dir.join(format!("{app}.sock"))}}},
         "services": [{"name": "dovecot-auth", "port": 5001, "kind": "dovecot-auth",
-                      "listen": dir.join(format!("{app}.sock")),
                       "upstream": {"unix": upstream},
                       "dovecot": {"rip_policy": "drop"}}]
     });

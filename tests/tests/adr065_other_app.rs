@@ -20,8 +20,8 @@ use relay_support::*;
 fn config(app: &str, uds: &Path, vmm_uid: u32, upstream: &Path) -> serde_json::Value {
     serde_json::json!({
         "app": app,
-        "vm": {"id": format!("vm-{app}"), "vsock_uds": uds},
-        "mode": "per_vm_socket",
+        "vm": {"id": format!("vm-{app}")},
+        "transport": {"per_vm_socket": {"vsock_uds": uds}},
         "socket": {"mode": "0600", "uid": vmm_uid},
         "services": [{"name": "svc", "port": 5001, "upstream": {"unix": upstream}}],
         "undeclared": [{"name": "agent", "port": 5003}]

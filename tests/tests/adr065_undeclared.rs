@@ -19,8 +19,8 @@ fn undeclared_service_is_refused_and_logged() {
         "relay",
         &serde_json::json!({
             "app": "app-a",
-            "vm": {"id": "vm-a", "vsock_uds": uds},
-            "mode": "per_vm_socket",
+            "vm": {"id": "vm-a"},
+            "transport": {"per_vm_socket": {"vsock_uds": uds}},
             "services": [{"name": "dovecot-auth", "port": 5001,
                           "upstream": {"unix": dir.path().join("ep-a")}}],
             "undeclared": [{"name": "agent", "port": 5003}]

@@ -79,11 +79,10 @@ impl Env {
             serde_json::json!({
                 "app": "enroll",
                 "vm": {"id": relay_vm},
-                "mode": "unix",
+                "transport": {"unix": {"listen": {"enrollment": guest_sock}}},
                 "services": [{
                     "name": "enrollment",
                     "port": 5002,
-                    "listen": guest_sock,
                     "upstream": {"unix": dir.path().join(format!("svc-{relay_vm}.sock"))},
                 }],
             })

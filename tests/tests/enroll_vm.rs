@@ -111,8 +111,8 @@ fn vm_enrolls_through_vsock_and_host_relay_before_the_app_starts() {
         name: "enroll".into(),
         config: json!({
             "app": "app-a",
-            "vm": { "id": "vm-1", "vsock_uds": vm_spec.vsock_uds() },
-            "mode": "per_vm_socket",
+            "vm": {"id": "vm-1"},
+            "transport": {"per_vm_socket": {"vsock_uds": vm_spec.vsock_uds()}},
             "services": [{
                 "name": "enrollment",
                 "port": ENROLL_PORT,

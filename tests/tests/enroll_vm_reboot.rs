@@ -332,8 +332,8 @@ fn vm_spec(name: &str, guest_init: &Path, disk: &Path, svc_sock: &Path) -> VmSpe
         name: "enroll".into(),
         config: json!({
             "app": "app-a",
-            "vm": { "id": VM_UID, "vsock_uds": spec.vsock_uds() },
-            "mode": "per_vm_socket",
+            "vm": {"id": VM_UID},
+            "transport": {"per_vm_socket": {"vsock_uds": spec.vsock_uds()}},
             "services": [{
                 "name": "enrollment",
                 "port": ENROLL_PORT,

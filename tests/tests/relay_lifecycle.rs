@@ -19,8 +19,8 @@ use relay_support::*;
 fn stream_config(dir: &Path, uds: &Path) -> serde_json::Value {
     serde_json::json!({
         "app": "app-a",
-        "vm": {"id": "vm-a", "vsock_uds": uds},
-        "mode": "per_vm_socket",
+        "vm": {"id": "vm-a"},
+        "transport": {"per_vm_socket": {"vsock_uds": uds}},
         "services": [{"name": "svc", "port": 5001, "upstream": {"unix": dir.join("ep-a")}}],
         "undeclared": [{"name": "agent", "port": 5003}]
     })

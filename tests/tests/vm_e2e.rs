@@ -143,8 +143,8 @@ fn auth_relay(spec: &VmSpec, dovecot: &Dovecot) -> RelaySpec {
         name: "auth".into(),
         config: json!({
             "app": "app-a",
-            "vm": { "id": spec.name, "vsock_uds": spec.vsock_uds(), "gateways": ["10.0.2.2"] },
-            "mode": "per_vm_socket",
+            "vm": {"id": spec.name, "gateways": ["10.0.2.2"]},
+            "transport": {"per_vm_socket": {"vsock_uds": spec.vsock_uds()}},
             "socket": { "mode": "0600" },
             "services": [{
                 "name": "dovecot-auth",
@@ -529,8 +529,8 @@ fn vm_cid_mode_admits_loopback_peer_and_refuses_others() {
     let relay_config = |cid: u32| {
         json!({
             "app": "app-a",
-            "vm": { "id": "loopback", "cid": cid },
-            "mode": "cid",
+            "vm": { "id": "loopback" },
+            "transport": { "cid": { "cid": cid } },
             "services": [{
                 "name": "echo",
                 "port": CID_TEST_PORT,
@@ -612,11 +612,11 @@ fn vm_harness_reports_a_failing_relay_and_cleans_up() {
     let mut spec = vm_spec("badrelay", &bins, image(&bins, config, vec![]));
     spec.relays.push(RelaySpec {
         name: "broken".into(),
-        // Invalid on purpose: per_vm_socket mode without the VM's socket path.
+        // Invalid on purpose: a relative path for the VM's socket.
         config: json!({
             "app": "app-a",
             "vm": { "id": "x" },
-            "mode": "per_vm_socket",
+            "transport": { "per_vm_socket": { "vsock_uds": "relative/vm.vsock" } },
             "services": [{ "name": "s", "port": AUTH_PORT, "upstream": { "unix": "/nonexistent" } }]
         }),
         wait_for: vec![spec.port_socket(AUTH_PORT)],
@@ -626,7 +626,7 @@ fn vm_harness_reports_a_failing_relay_and_cleans_up() {
     let msg = err.to_string();
     assert!(msg.contains("relay broken exited"), "{msg}");
     assert!(
-        msg.contains("vm.vsock_uds"),
+        msg.contains("transport.per_vm_socket.vsock_uds"),
         "the relay's own error is quoted: {msg}"
     );
     assert!(

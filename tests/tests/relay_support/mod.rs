@@ -127,8 +127,8 @@ pub fn per_vm_config(
 ) -> serde_json::Value {
     serde_json::json!({
         "app": app,
-        "vm": {"id": format!("vm-{app}"), "vsock_uds": vsock_uds, "gateways": ["10.0.2.2"]},
-        "mode": "per_vm_socket",
+        "vm": {"id": format!("vm-{app}"), "gateways": ["10.0.2.2"]},
+        "transport": {"per_vm_socket": {"vsock_uds": vsock_uds}},
         "services": [{"name": "dovecot-auth", "port": 5001, "kind": "dovecot-auth",
                       "upstream": {"unix": upstream}, "dovecot": dovecot}],
         "undeclared": [{"name": "agent", "port": 5003}]

@@ -163,8 +163,8 @@ pub fn start(dir: &Path, tag: &str, service: &Path) -> io::Result<Route> {
     }
     let relay_conf = serde_json::json!({
         "app": format!("bench-{tag}"),
-        "vm": { "id": format!("bench-{tag}"), "vsock_uds": uds },
-        "mode": "per_vm_socket",
+        "vm": {"id": format!("bench-{tag}")},
+        "transport": {"per_vm_socket": {"vsock_uds": uds}},
         "services": [svc],
     });
     let relay_path = dir.join(format!("{tag}-relay.json"));
