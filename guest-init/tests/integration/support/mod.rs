@@ -7,13 +7,13 @@
 //! which would hide a test's files from the app. They go under Cargo's target tmp dir, or
 //! `/var/tmp` when the checkout itself is under `/tmp` (a CI clone may well be).
 
-#![allow(dead_code)]
-
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+pub mod forward;
 
 /// The guest-init binary under test.
 pub fn bin() -> &'static str {

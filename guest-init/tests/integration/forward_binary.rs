@@ -4,15 +4,13 @@
 //! listeners are up, bytes arrive exactly, bursts are served, dead and late targets are
 //! handled, and the socket is removed when guest-init ends.
 
-mod forward_support;
-
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use forward_support::*;
+use crate::support::forward::*;
 use serde_json::json;
 
 /// guest-init with its console (stderr) captured; killed if still running when dropped.

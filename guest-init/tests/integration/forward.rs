@@ -4,12 +4,10 @@
 //! Unix sockets stand in for vsock here (in a VM the target is `vsock` CID 2); the
 //! forwarder code path after `connect` is the same descriptor type and pump.
 
-mod forward_support;
-
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use forward_support::*;
+use crate::support::forward::*;
 use guest_init::forward::{self, DialPolicy, ExportSpec};
 use vm_transport::{Conn, Endpoint};
 

@@ -2,12 +2,10 @@
 //! touched, owner/group/mode, and clean removal. Each test breaks if the property it names
 //! regresses (see the threat model in `guest-init/src/forward.rs`).
 
-mod forward_support;
-
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::Path;
 
-use forward_support::*;
+use crate::support::forward::*;
 use guest_init::forward::{self, ForwardError};
 use guest_init::ids::IdRef;
 

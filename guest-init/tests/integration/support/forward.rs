@@ -1,6 +1,5 @@
 //! Shared pieces of the forwarding tests: a seeded random generator, target services
 //! (echo, sink-and-source), spec builders and the REQUIRE_ALL convention.
-#![allow(dead_code)] // each test binary uses a different subset
 
 use std::io;
 use std::path::Path;

@@ -5,15 +5,13 @@
 //! `child_forwarder` entry point), so the test can read the console lines it writes to its
 //! stderr and can lower *its* descriptor limit without starving the test itself.
 
-mod forward_support;
-
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
 
-use forward_support::*;
+use crate::support::forward::*;
 use guest_init::forward::{self, ServiceSpec};
 
 const CHILD_ENV: &str = "FORWARD_TEST_CHILD";
@@ -86,7 +84,7 @@ impl ChildForwarder {
         let mut child = Command::new(std::env::current_exe().unwrap())
             .args([
                 "--exact",
-                "child_forwarder",
+                "forward_process::child_forwarder",
                 "--ignored",
                 "--nocapture",
                 "--test-threads=1",

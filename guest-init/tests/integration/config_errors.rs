@@ -1,11 +1,9 @@
 //! `guest-init check-config FILE`: every bad configuration is refused with exit status 1 and
 //! a message that names the field (and, for JSON errors, the line), and nothing runs.
 
-mod support;
-
 use std::process::Command;
 
-use support::*;
+use crate::support::*;
 
 /// Runs check-config on `text`; returns (exit code, stdout + stderr).
 fn check(text: &str) -> (i32, String) {
