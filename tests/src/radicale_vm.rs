@@ -1,5 +1,5 @@
 //! Real Radicale in a real micro-VM, signing in through the whole path: the scenario shared
-//! by VM test 9 (`tests/tests/vm_radicale.rs`) and the demo (`src/bin/demo.rs`).
+//! by VM test 9 (`tests/tests/integration/vm_radicale.rs`) and the demo (`src/bin/demo.rs`).
 //!
 //! # The path of one sign-in
 //!

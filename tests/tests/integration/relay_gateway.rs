@@ -11,14 +11,12 @@
 //!
 //! The assertions are the status codes; the durations are printed for the report.
 
-mod relay_support;
-
 use std::time::Instant;
 
 use e2e::dovecot::{sign_in, Dovecot, DovecotOptions, SignIn};
 use e2e::radicale::{propfind, Radicale, RadicaleOptions};
 use e2e::util::require;
-use relay_support::*;
+use crate::support::*;
 
 async fn scenario(policy_a: serde_json::Value, policy_b: serde_json::Value) -> u16 {
     let dovecot = Dovecot::start(&DovecotOptions::default()).unwrap();

@@ -7,14 +7,12 @@
 //!   accept loop serves again once descriptors are free: the relay never dies;
 //! - SIGTERM: exit 0 and every socket file removed.
 
-mod relay_support;
-
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::process::Command;
 
 use e2e::util::{have_program, host_bin, require};
-use relay_support::*;
+use crate::support::*;
 
 fn stream_config(dir: &Path, uds: &Path) -> serde_json::Value {
     serde_json::json!({

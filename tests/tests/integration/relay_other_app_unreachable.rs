@@ -7,15 +7,13 @@
 //!   through A's socket, and is refused by the file system at B's socket;
 //! - nothing A's guest sends, on any of A's ports, ever arrives at B's endpoint.
 
-mod relay_support;
-
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
 use e2e::util::{have_program, require};
-use relay_support::*;
+use crate::support::*;
 
 fn config(app: &str, uds: &Path, vmm_uid: u32, upstream: &Path) -> serde_json::Value {
     serde_json::json!({

@@ -1,4 +1,4 @@
-//! Shared by the `relay_*` and `adr065_*` tests: a `host-relay` process with its log, the
+//! Shared by the `relay_*` tests: a `host-relay` process with its log, the
 //! guest-side forwarder (guest-init's library) standing in for a VM, and a recording
 //! service that notes who connected where.
 //!
@@ -6,8 +6,6 @@
 //! what ships: configuration loading, binding, dropping privileges, signals, log lines.
 //! Its stderr is collected line by line; tests wait for its `ready` line before
 //! connecting and assert on its `admitted` / `refused` lines.
-
-#![allow(dead_code)]
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::net::UnixListener;

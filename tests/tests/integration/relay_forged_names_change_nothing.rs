@@ -8,12 +8,10 @@
 //! - option (b), one shared endpoint, relay dropped to the app's uid/gid: A's connections
 //!   carry uid/gid 20001 and B's 20002, whatever the lines say.
 
-mod relay_support;
-
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
-use relay_support::*;
+use crate::support::*;
 
 const FORGED: &str =
     "AUTH\t1\tPLAIN\tservice=app-b\tsession=app-b\tclient_id=app-b\tlocal_name=app-b\tresp=AA==\n";

@@ -3,13 +3,11 @@
 //! host-relay (per-VM socket, dovecot-auth filter) → real Dovecot. Every one must get
 //! `OK`. The elapsed time is printed for the report, not asserted.
 
-mod relay_support;
-
 use std::time::Instant;
 
 use e2e::dovecot::{sign_in, Dovecot, DovecotOptions, SignIn};
 use e2e::util::require;
-use relay_support::*;
+use crate::support::*;
 
 const BURST: usize = 1000;
 

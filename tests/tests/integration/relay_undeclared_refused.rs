@@ -5,9 +5,7 @@
 //! connection is closed at once, nothing is dialled, and a `refused` line names
 //! "service not declared by app". A port the platform does not list has no socket at all.
 
-mod relay_support;
-
-use relay_support::*;
+use crate::support::*;
 
 #[test]
 fn undeclared_service_is_refused_and_logged() {
