@@ -32,6 +32,7 @@ use serde::{Deserialize, Serialize};
 use crate::enroll::EnrollConfig;
 use crate::forward::{ExportSpec, ServiceSpec};
 use crate::ids::IdRef;
+use vm_transport::field::FieldError;
 use vm_transport::Endpoint;
 
 /// Where the configuration is read from when nothing else names a path.
@@ -72,21 +73,13 @@ pub enum ConfigError {
         column: usize,
     },
     /// A field has a value that parses but cannot be used.
-    #[error("{field}: {reason}")]
-    Invalid {
-        /// The field path.
-        field: String,
-        /// What is wrong and how to fix it.
-        reason: String,
-    },
+    #[error(transparent)]
+    Invalid(#[from] FieldError),
 }
 
 impl ConfigError {
     fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Self {
-        ConfigError::Invalid {
-            field: field.into(),
-            reason: reason.into(),
-        }
+        ConfigError::Invalid(FieldError::new(field.into(), reason))
     }
 }
 
@@ -470,19 +463,9 @@ impl Config {
                 .map_err(|r| ConfigError::invalid("network.address", r))?;
         }
         self.validate_app()?;
-        crate::forward::validate(&self.services, &self.exports).map_err(|e| match e {
-            crate::forward::ForwardError::Invalid { field, reason } => {
-                ConfigError::Invalid { field, reason }
-            }
-            other => ConfigError::invalid("services", other.to_string()),
-        })?;
+        crate::forward::validate(&self.services, &self.exports)?;
         // Socket owners and groups must exist in this image, like the app's user.
-        crate::forward::check_ids(&self.services).map_err(|e| match e {
-            crate::forward::ForwardError::Invalid { field, reason } => {
-                ConfigError::Invalid { field, reason }
-            }
-            other => ConfigError::invalid("services", other.to_string()),
-        })?;
+        crate::forward::check_ids(&self.services)?;
         if let Some(c) = &self.control {
             c.listen
                 .validate()

@@ -18,6 +18,7 @@ use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+use vm_transport::field::FieldError;
 use vm_transport::mode::SocketMode;
 use vm_transport::vsock::{FIRST_GUEST_CID, VMADDR_CID_ANY, VMADDR_CID_LOCAL};
 use vm_transport::Endpoint;
@@ -46,20 +47,12 @@ pub enum ConfigError {
         source: serde_json::Error,
     },
     /// A field has a value the relay cannot use.
-    #[error("{field}: {reason}")]
-    Invalid {
-        /// The field, e.g. `services[0].dovecot.client_address`.
-        field: String,
-        /// What is wrong and how to fix it.
-        reason: String,
-    },
+    #[error(transparent)]
+    Invalid(#[from] FieldError),
 }
 
 fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
-        field: field.into(),
-        reason: reason.into(),
-    }
+    ConfigError::Invalid(FieldError::new(field.into(), reason))
 }
 
 /// Where the guest's connections arrive, with exactly the fields each transport needs.

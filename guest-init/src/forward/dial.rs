@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use vm_transport::{Conn, Endpoint};
 
-use super::spec::ForwardError;
 use crate::debug;
+use vm_transport::field::FieldError;
 
 /// The bounded retry used when a target refuses or is missing.
 ///
@@ -59,13 +59,9 @@ impl Default for DialPolicy {
 }
 
 impl DialPolicy {
-    pub(crate) fn check(&self, field: &str) -> Result<(), ForwardError> {
-        let bad = |sub: &str, reason: String| {
-            Err(ForwardError::Invalid {
-                field: format!("{field}.{sub}"),
-                reason,
-            })
-        };
+    pub(crate) fn check(&self, field: &str) -> Result<(), FieldError> {
+        let bad =
+            |sub: &str, reason: String| Err(FieldError::new(format!("{field}.{sub}"), reason));
         if !(1..=1000).contains(&self.attempts) {
             return bad(
                 "attempts",

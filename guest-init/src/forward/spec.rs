@@ -11,6 +11,7 @@ use std::collections::HashSet;
 use std::path::{Component, Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+use vm_transport::field::FieldError;
 use vm_transport::mode::SocketMode;
 use vm_transport::Endpoint;
 
@@ -60,13 +61,8 @@ pub struct ExportSpec {
 #[derive(Debug, thiserror::Error)]
 pub enum ForwardError {
     /// A field is invalid.
-    #[error("{field}: {reason}")]
-    Invalid {
-        /// The configuration field, e.g. `services[0].listen`.
-        field: String,
-        /// What is wrong and how to fix it.
-        reason: String,
-    },
+    #[error(transparent)]
+    Invalid(#[from] FieldError),
     /// A Unix socket could not be published at its path.
     #[error("{name}: cannot listen: {source}")]
     Publish {
@@ -89,17 +85,14 @@ pub enum ForwardError {
     },
 }
 
-fn invalid(field: String, reason: impl Into<String>) -> ForwardError {
-    ForwardError::Invalid {
-        field,
-        reason: reason.into(),
-    }
+fn invalid(field: String, reason: impl Into<String>) -> FieldError {
+    FieldError::new(field, reason)
 }
 
 /// The longest name accepted; names appear in every log line about their listener.
 const MAX_NAME: usize = 64;
 
-fn check_name(field: String, name: &str, seen: &mut HashSet<String>) -> Result<(), ForwardError> {
+fn check_name(field: String, name: &str, seen: &mut HashSet<String>) -> Result<(), FieldError> {
     if name.is_empty() || name.len() > MAX_NAME {
         return Err(invalid(
             field,
@@ -126,7 +119,7 @@ fn check_name(field: String, name: &str, seen: &mut HashSet<String>) -> Result<(
 
 /// Checks a Unix path to listen at: absolute, no `..`, fits a socket address, not a
 /// directory name.
-fn check_listen_path(field: &str, p: &Path) -> Result<(), ForwardError> {
+fn check_listen_path(field: &str, p: &Path) -> Result<(), FieldError> {
     Endpoint::Unix(p.to_path_buf())
         .validate()
         .map_err(|r| invalid(field.to_owned(), r))?;
@@ -153,7 +146,7 @@ fn check_listen_path(field: &str, p: &Path) -> Result<(), ForwardError> {
 }
 
 /// Checks an endpoint this module dials.
-fn check_target(field: &str, t: &Endpoint) -> Result<(), ForwardError> {
+fn check_target(field: &str, t: &Endpoint) -> Result<(), FieldError> {
     t.validate().map_err(|r| invalid(field.to_owned(), r))?;
     match t {
         Endpoint::Unix(p) => check_listen_path(field, p),
@@ -176,7 +169,7 @@ fn check_target(field: &str, t: &Endpoint) -> Result<(), ForwardError> {
 /// `..`, at most 107 bytes, unique), targets (dialable, not the forwarder's own listen
 /// path), modes (octal syntax) and the dial policy's ranges. Whether users and groups
 /// exist depends on the image, not the file: see [`check_ids`].
-pub fn validate(services: &[ServiceSpec], exports: &[ExportSpec]) -> Result<(), ForwardError> {
+pub fn validate(services: &[ServiceSpec], exports: &[ExportSpec]) -> Result<(), FieldError> {
     let mut names = HashSet::new();
     let mut listen_paths: HashSet<PathBuf> = HashSet::new();
     let mut listen_other: HashSet<Endpoint> = HashSet::new();
@@ -269,7 +262,7 @@ pub fn validate(services: &[ServiceSpec], exports: &[ExportSpec]) -> Result<(), 
 /// Resolves every service's `owner` and `group` against this system's user database
 /// (the image's `/etc/passwd` and `/etc/group` when run in the VM). [`start`] does the same;
 /// this lets a configuration check report an unknown user before anything runs.
-pub fn check_ids(services: &[ServiceSpec]) -> Result<(), ForwardError> {
+pub fn check_ids(services: &[ServiceSpec]) -> Result<(), FieldError> {
     for (i, s) in services.iter().enumerate() {
         resolve_ids(i, s)?;
     }
@@ -279,7 +272,7 @@ pub fn check_ids(services: &[ServiceSpec]) -> Result<(), ForwardError> {
 pub(super) fn resolve_ids(
     i: usize,
     s: &ServiceSpec,
-) -> Result<(Option<nix::unistd::Uid>, Option<nix::unistd::Gid>), ForwardError> {
+) -> Result<(Option<nix::unistd::Uid>, Option<nix::unistd::Gid>), FieldError> {
     let uid = match &s.owner {
         Some(o) => Some(
             o.resolve_user()

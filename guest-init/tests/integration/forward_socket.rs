@@ -226,7 +226,8 @@ async fn dropping_the_forwarders_stops_accepting_and_unlinks() {
 /// Radicale's Dovecot client does `settimeout(5)` then `connect`: a non-blocking connect.
 /// Against the app's forwarded socket, with the accept loop not running yet, the kernel
 /// must queue far more than 128 such connects (nix's `Backlog` once capped it there and
-/// the 129th caller got `EAGAIN`). Checked from outside: by the connects, and by `ss`.
+/// the 129th caller got `EAGAIN`). Checked from outside, by the connects the kernel
+/// takes (host-relay's test also reads the backlog with `ss`).
 #[test]
 fn the_apps_socket_queues_thousands_of_nonblocking_connects() {
     use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, UnixAddr};
@@ -246,40 +247,6 @@ fn the_apps_socket_queues_thousands_of_nonblocking_connects() {
             &[],
         ))
         .unwrap();
-    // `ss` lists the listener under the name it was bound with (the publisher binds in a
-    // private directory, see vm_transport::publish): find it by its socket inode, one of
-    // this process's descriptors. Every listener this process has must report the backlog.
-    let ours: std::collections::HashSet<String> = std::fs::read_dir("/proc/self/fd")
-        .unwrap()
-        .filter_map(|e| std::fs::read_link(e.unwrap().path()).ok())
-        .filter_map(|l| {
-            let l = l.to_string_lossy().into_owned();
-            l.strip_prefix("socket:[")?
-                .strip_suffix(']')
-                .map(str::to_owned)
-        })
-        .collect();
-    let ss = std::process::Command::new("ss")
-        .args(["-xlnH"])
-        .output()
-        .unwrap();
-    let ss = String::from_utf8_lossy(&ss.stdout);
-    let mine: Vec<&str> = ss
-        .lines()
-        .filter(|l| {
-            l.split_whitespace()
-                .nth(5)
-                .is_some_and(|i| ours.contains(i))
-        })
-        .collect();
-    assert!(
-        !mine.is_empty(),
-        "ss lists none of this process's listeners:\n{ss}"
-    );
-    for line in mine {
-        let backlog: u32 = line.split_whitespace().nth(3).unwrap().parse().unwrap();
-        assert!(backlog > 1000, "ss reports a backlog of {backlog}: {line}");
-    }
     let addr = UnixAddr::new(&app_path).unwrap();
     let mut held = Vec::new();
     for n in 0..2000 {

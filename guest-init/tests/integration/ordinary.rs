@@ -2,9 +2,9 @@
 //! status. Also the app's sandbox (user, groups, capabilities, no_new_privs, environment,
 //! working directory), restarts, and signal forwarding.
 
+use crate::support::*;
 use nix::sys::signal::Signal;
 use serde_json::json;
-use crate::support::*;
 
 #[test]
 fn exits_with_the_apps_status() {

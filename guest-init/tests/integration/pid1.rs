@@ -5,9 +5,9 @@
 //! init as if killed by SIGINT; `unshare` re-raises it, so the test sees SIGINT where a VM
 //! would power off. A crash of PID 1 would show up as another status (or SIGKILL).
 
+use crate::support::*;
 use nix::sys::signal::Signal;
 use serde_json::json;
-use crate::support::*;
 
 fn config(app: serde_json::Value, extra: serde_json::Value) -> serde_json::Value {
     let mut c = json!({"version": 1, "hostname": "pid1-test", "app": app});

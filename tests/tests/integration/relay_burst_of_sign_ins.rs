@@ -5,9 +5,9 @@
 
 use std::time::Instant;
 
+use crate::support::*;
 use e2e::dovecot::{sign_in, Dovecot, DovecotOptions, SignIn};
 use e2e::util::require;
-use crate::support::*;
 
 const BURST: usize = 1000;
 

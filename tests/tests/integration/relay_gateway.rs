@@ -13,10 +13,10 @@
 
 use std::time::Instant;
 
+use crate::support::*;
 use e2e::dovecot::{sign_in, Dovecot, DovecotOptions, SignIn};
 use e2e::radicale::{propfind, Radicale, RadicaleOptions};
 use e2e::util::require;
-use crate::support::*;
 
 async fn scenario(policy_a: serde_json::Value, policy_b: serde_json::Value) -> u16 {
     let dovecot = Dovecot::start(&DovecotOptions::default()).unwrap();

@@ -11,8 +11,8 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::process::Command;
 
-use e2e::util::{have_program, host_bin, require};
 use crate::support::*;
+use e2e::util::{have_program, host_bin, require};
 
 fn stream_config(dir: &Path, uds: &Path) -> serde_json::Value {
     serde_json::json!({

@@ -12,8 +12,8 @@ use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use e2e::util::{have_program, require};
 use crate::support::*;
+use e2e::util::{have_program, require};
 
 fn config(app: &str, uds: &Path, vmm_uid: u32, upstream: &Path) -> serde_json::Value {
     serde_json::json!({

@@ -7,10 +7,10 @@
 //! that nothing on the way splits them. The relay's log must show the admitted connection
 //! and must never contain a credential.
 
+use crate::support::*;
 use e2e::dovecot::{AuthListener, Dovecot, DovecotOptions};
 use e2e::radicale::{propfind, Radicale, RadicaleOptions};
 use e2e::util::require;
-use crate::support::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn radicale_signs_in_through_forwarder_relay_and_dovecot() {
