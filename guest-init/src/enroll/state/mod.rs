@@ -59,7 +59,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::client::{self, ExchangeError, RetryPolicy};
@@ -70,6 +69,9 @@ use super::{files, verify, EnrollError};
 use vm_transport::vsock::VMADDR_CID_HOST;
 use vm_transport::Endpoint;
 
+mod store;
+use store::{EnrolledRecord, PendingRecord};
+
 const PENDING: &str = "pending.json";
 const ENROLLED: &str = "enrolled.json";
 const FLOOR: &str = "floor.json";
@@ -78,29 +80,6 @@ const MAX_DER: usize = 16 * 1024;
 
 /// The name of the published certificate inside `publish_dir`.
 pub const PUBLISHED_CERT: &str = "cert.pem";
-
-#[derive(Clone, Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct PendingRecord {
-    identity: Identity,
-    slot: String,
-    token_sha256: String,
-}
-
-/// The highest revocation epoch the service has confirmed (a certificate received and
-/// verified). Only ever raised; never removed with a key.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FloorRecord {
-    epoch: u64,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct EnrolledRecord {
-    identity: Identity,
-    slot: String,
-}
 
 /// What a successful run did.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -188,62 +167,6 @@ impl Enroller<'_> {
             source: std::io::Error::other(e.to_string()),
         })?
         .map_err(state_err("lock the enrollment state"))
-    }
-
-    fn read_record<T: for<'de> Deserialize<'de>>(
-        &self,
-        name: &str,
-    ) -> Result<Option<T>, EnrollError> {
-        let path = self.state_dir.join(name);
-        let Some(bytes) = files::read_bounded(&path, MAX_RECORD, true)
-            .map_err(state_err(format!("read {}", path.display())))?
-        else {
-            return Ok(None);
-        };
-        serde_json::from_slice(&bytes)
-            .map(Some)
-            .map_err(|e| EnrollError::State {
-                what: format!(
-                    "{} is damaged; remove the state directory to re-enroll",
-                    path.display()
-                ),
-                source: std::io::Error::other(e.to_string()),
-            })
-    }
-
-    fn write_record<T: Serialize>(&self, name: &str, rec: &T) -> Result<(), EnrollError> {
-        let bytes = serde_json::to_vec(rec).unwrap_or_default();
-        files::write_atomic(&self.state_dir, name, &bytes, 0o600)
-            .map_err(state_err(format!("write {name}")))
-    }
-
-    fn read_slot_file(&self, slot: &str, ext: &str) -> Result<Option<Vec<u8>>, EnrollError> {
-        let path = self.state_dir.join(format!("{slot}.{ext}"));
-        Ok(files::read_bounded(&path, MAX_DER, true)
-            .map_err(state_err(format!("read {}", path.display())))?
-            .map(|b| b.to_vec()))
-    }
-
-    fn remove_slot(&self, slot: &str) -> Result<(), EnrollError> {
-        self.store.remove(slot)?;
-        for ext in ["csr", "crt"] {
-            files::remove_durable(&self.state_dir, &format!("{slot}.{ext}"))
-                .map_err(state_err(format!("remove {slot}.{ext}")))?;
-        }
-        Ok(())
-    }
-
-    /// The confirmed epoch floor (`floor.json`), `None` before the first certificate.
-    fn floor(&self) -> Result<Option<u64>, EnrollError> {
-        Ok(self.read_record::<FloorRecord>(FLOOR)?.map(|f| f.epoch))
-    }
-
-    /// Raises the floor to `epoch` (never lowers it); durable before it returns.
-    fn raise_floor(&self, current: Option<u64>, epoch: u64) -> Result<(), EnrollError> {
-        if current.is_some_and(|f| f >= epoch) {
-            return Ok(());
-        }
-        self.write_record(FLOOR, &FloorRecord { epoch })
     }
 
     async fn run_locked(&self, material: Option<Material>) -> Result<Outcome, EnrollError> {
@@ -543,83 +466,6 @@ impl Enroller<'_> {
             uri: e.identity.uri(),
             slot: e.slot.clone(),
         })
-    }
-
-    /// Writes `cert.pem` (0644) into the publish directory (0755): the certificate is
-    /// public, and local consumers such as the app read it there.
-    fn publish(&self, cert_der: &[u8]) -> Result<(), EnrollError> {
-        files::ensure_dir(&self.publish_dir, 0o755)
-            .map_err(state_err(format!("prepare {}", self.publish_dir.display())))?;
-        files::write_atomic(
-            &self.publish_dir,
-            PUBLISHED_CERT,
-            verify::to_pem(cert_der).as_bytes(),
-            0o644,
-        )
-        .map_err(state_err(format!("publish {PUBLISHED_CERT}")))
-    }
-
-    /// Step 7: removes key, CSR and certificate files no record refers to. On any doubt
-    /// (a record or the store that cannot be read) it removes nothing: a transient error
-    /// must never delete the live key.
-    fn collect_garbage(&self) {
-        let records = (|| -> Result<Vec<String>, EnrollError> {
-            Ok([
-                self.read_record::<EnrolledRecord>(ENROLLED)?
-                    .map(|r| r.slot),
-                self.read_record::<PendingRecord>(PENDING)?.map(|r| r.slot),
-            ]
-            .into_iter()
-            .flatten()
-            .collect())
-        })();
-        let keep = match records {
-            Ok(k) => k,
-            Err(e) => {
-                crate::warn!("enroll: leftover slots not collected: {e}");
-                return;
-            }
-        };
-        let mut slots = match self.store.slots() {
-            Ok(s) => s,
-            Err(e) => {
-                crate::warn!("enroll: leftover slots not collected: {e}");
-                return;
-            }
-        };
-        match std::fs::read_dir(&self.state_dir) {
-            Ok(rd) => {
-                for e in rd {
-                    let Ok(e) = e else {
-                        crate::warn!(
-                            "enroll: leftover slots not collected: cannot list {}",
-                            self.state_dir.display()
-                        );
-                        return;
-                    };
-                    let name = e.file_name();
-                    let name = name.to_string_lossy();
-                    if let Some((slot, _)) = name.split_once('.') {
-                        if is_slot(slot) && (name.ends_with(".csr") || name.ends_with(".crt")) {
-                            slots.push(slot.to_owned());
-                        }
-                    }
-                }
-            }
-            Err(e) => {
-                crate::warn!(
-                    "enroll: leftover slots not collected: cannot list {}: {e}",
-                    self.state_dir.display()
-                );
-                return;
-            }
-        }
-        for slot in slots {
-            if !keep.contains(&slot) {
-                crate::debug!("enroll: removing leftover slot {slot}");
-                let _ = self.remove_slot(&slot);
-            }
-        }
     }
 }
 
