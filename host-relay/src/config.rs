@@ -86,9 +86,14 @@ pub enum Transport {
 pub struct VmConfig {
     /// The VM's id (log lines only).
     pub id: String,
-    /// The VM's gateway addresses: a `rip` equal to one of them is not a client.
+    /// The VM's gateway addresses: a `rip` equal to one of them is not a client. Required
+    /// by a dovecot-auth service.
     #[serde(default)]
     pub gateways: Vec<IpAddr>,
+    /// Accept a dovecot-auth service with no gateways (a VM without NAT). Never the
+    /// default.
+    #[serde(default)]
+    pub unsafe_no_gateways: bool,
 }
 
 /// The user the whole process becomes after binding (caller identity option (b)).
@@ -170,8 +175,13 @@ pub struct DovecotConfig {
     #[serde(default)]
     pub reserved_networks: Vec<Cidr>,
     /// Parameter keys passed to Dovecot; every other key is removed. Default: see docs.
+    /// Trust fields can never be listed.
     #[serde(default)]
     pub allow_fields: Option<Vec<String>>,
+    /// Accept an empty `reserved_networks` (a guest may then claim another app's
+    /// address). Never the default.
+    #[serde(default)]
+    pub unsafe_no_reserved_networks: bool,
 }
 
 /// A service the app declared.
@@ -382,8 +392,31 @@ impl Config {
         Ok(())
     }
 
+    /// A dovecot-auth service fails closed: every setting that would let a guest's `rip`
+    /// or trust fields through is refused, naming the field and the fix. Exceptions are
+    /// explicit `unsafe_*` settings, never defaults.
     fn check_dovecot(&self, f: &str, d: &DovecotConfig) -> Result<(), ConfigError> {
         let f = format!("{f}.dovecot");
+        if self.vm.gateways.is_empty() && !self.vm.unsafe_no_gateways {
+            return Err(invalid(
+                "vm.gateways",
+                format!(
+                    "required by the dovecot-auth service {f}: without the VM's gateway \
+                     addresses a guest's rip=<gateway> reaches Dovecot verbatim and every \
+                     app behind that NAT shares one attempt budget; list them (QEMU user \
+                     networking: \"10.0.2.2\"), or, only for a VM with no NAT at all, set \
+                     vm.unsafe_no_gateways to true"
+                ),
+            ));
+        }
+        if d.reserved_networks.is_empty() && !d.unsafe_no_reserved_networks {
+            return Err(invalid(
+                format!("{f}.reserved_networks"),
+                "required: the platform's per-app client address pool (e.g. \"100.64.0.0/10\"); \
+                 without it a guest can send another app's address as rip and spend that \
+                 app's attempt budget (set unsafe_no_reserved_networks to true to accept that)",
+            ));
+        }
         if d.rip_policy == RipPolicy::Substitute {
             let Some(addr) = d.client_address else {
                 return Err(invalid(
@@ -397,6 +430,17 @@ impl Config {
                     "equals a gateway address; give the app its own address",
                 ));
             }
+            if !d.reserved_networks.is_empty()
+                && !d.reserved_networks.iter().any(|n| n.contains(&addr))
+            {
+                return Err(invalid(
+                    format!("{f}.client_address"),
+                    format!(
+                        "{addr} lies outside reserved_networks: the app's own address must come \
+                         from the platform's per-app pool, so no other guest can claim it"
+                    ),
+                ));
+            }
         }
         if let Some(fields) = &d.allow_fields {
             for (i, k) in fields.iter().enumerate() {
@@ -404,6 +448,15 @@ impl Config {
                     return Err(invalid(
                         format!("{f}.allow_fields[{i}]"),
                         "must be a parameter key without '=', tabs or control characters",
+                    ));
+                }
+                if crate::dovecot::is_trust_field(k) {
+                    return Err(invalid(
+                        format!("{f}.allow_fields[{i}]"),
+                        format!(
+                            "{k:?} grants the guest trust Dovecot gives only to its own \
+                             services; it can never be allowed"
+                        ),
                     ));
                 }
                 if k == "resp" {
@@ -468,7 +521,8 @@ mod tests {
             "transport": {"per_vm_socket": {"vsock_uds": "/run/vm1/vm.vsock"}},
             "services": [{"name": "dovecot-auth", "port": 5001, "kind": "dovecot-auth",
                           "upstream": {"unix": "/run/dovecot/auth-radicale"},
-                          "dovecot": {"client_address": "100.64.0.7"}}],
+                          "dovecot": {"client_address": "100.64.0.7",
+                                      "reserved_networks": ["100.64.0.0/10"]}}],
             "undeclared": [{"name": "agent", "port": 5003}]
         })
     }
@@ -505,7 +559,7 @@ mod tests {
     #[test]
     fn errors_name_the_field() {
         let mut v = base();
-        v["services"][0]["dovecot"] = serde_json::json!({});
+        v["services"][0]["dovecot"] = serde_json::json!({"reserved_networks": ["100.64.0.0/10"]});
         assert!(err(v).starts_with("services[0].dovecot.client_address"));
         let mut v = base();
         v["services"][0]["dovecot"]["client_address"] = "10.0.2.2".into();
@@ -572,10 +626,58 @@ mod tests {
         assert!(err(v).starts_with("app"));
     }
 
+    /// Each setting that would let a guest's rip or trust fields through is refused, and
+    /// only the loudly named `unsafe_*` switch turns a refusal into acceptance.
+    #[test]
+    fn the_dovecot_filter_fails_closed() {
+        let mut v = base();
+        v["vm"]["gateways"] = serde_json::json!([]);
+        let e = err(v.clone());
+        assert!(e.starts_with("vm.gateways: required"), "{e}");
+        v["vm"]["unsafe_no_gateways"] = true.into();
+        Config::parse(&v.to_string()).unwrap();
+
+        let mut v = base();
+        v["services"][0]["dovecot"]["reserved_networks"] = serde_json::json!([]);
+        let e = err(v.clone());
+        assert!(
+            e.starts_with("services[0].dovecot.reserved_networks: required"),
+            "{e}"
+        );
+        v["services"][0]["dovecot"]["unsafe_no_reserved_networks"] = true.into();
+        Config::parse(&v.to_string()).unwrap();
+
+        let mut v = base();
+        v["services"][0]["dovecot"]["client_address"] = "192.0.2.7".into();
+        let e = err(v);
+        assert!(e.starts_with("services[0].dovecot.client_address"), "{e}");
+        assert!(e.contains("outside reserved_networks"), "{e}");
+
+        for trust in [
+            "no-penalty",
+            "secured",
+            "valid-client-cert",
+            "cert_username",
+            "real_rip",
+            "forward_x",
+            "debug",
+        ] {
+            let mut v = base();
+            v["services"][0]["dovecot"]["allow_fields"] = serde_json::json!(["service", trust]);
+            let e = err(v);
+            assert!(
+                e.starts_with("services[0].dovecot.allow_fields[1]"),
+                "{trust}: {e}"
+            );
+            assert!(e.contains("can never be allowed"), "{e}");
+        }
+    }
+
     #[test]
     fn drop_policy_needs_no_address_and_cid_mode_listens_on_vsock_any() {
         let mut v = base();
-        v["services"][0]["dovecot"] = serde_json::json!({"rip_policy": "drop"});
+        v["services"][0]["dovecot"] =
+            serde_json::json!({"rip_policy": "drop", "reserved_networks": ["100.64.0.0/10"]});
         v["transport"] = serde_json::json!({"cid": {"cid": 7}});
         let c = Config::parse(&v.to_string()).unwrap();
         assert_eq!(

@@ -43,6 +43,22 @@ use serde::{Deserialize, Serialize};
 /// Longest line Dovecot accepts, `\n` included; longer lines close the connection.
 pub const MAX_LINE: usize = 16384;
 
+/// Parameter keys that grant the caller trust Dovecot gives only its own services; the
+/// configuration can never allow them (`real_*` and `forward_*` are matched as prefixes).
+pub const TRUST_FIELDS: &[&str] = &[
+    "no-penalty",
+    "secured",
+    "valid-client-cert",
+    "cert_username",
+    "forward_fields",
+    "debug",
+];
+
+/// Whether `key` is a trust field (see [`TRUST_FIELDS`]).
+pub fn is_trust_field(key: &str) -> bool {
+    TRUST_FIELDS.contains(&key) || key.starts_with("real_") || key.starts_with("forward_")
+}
+
 /// Parameter keys passed to Dovecot by default. Not in it, so removed: `no-penalty`,
 /// `secured`, `valid-client-cert`, `cert_username`, `real_*`, `forward_fields`, `debug`
 /// and anything unknown. `resp` is always passed.

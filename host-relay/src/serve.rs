@@ -221,7 +221,8 @@ mod tests {
                 "transport": {"cid": {"cid": 9}},
                 "services": [{"name": "auth", "port": 5001, "kind": "dovecot-auth",
                               "upstream": {"unix": "/run/auth-a"},
-                              "dovecot": {"client_address": "100.64.0.3"}}],
+                              "dovecot": {"client_address": "100.64.0.3",
+                                          "reserved_networks": ["100.64.0.0/10"]}}],
                 "undeclared": [{"name": "agent", "port": 5003}]
             })
             .to_string(),

@@ -135,7 +135,8 @@ pub fn relay_config(vm_id: &str, vsock_uds: &Path, auth_client: &Path) -> Value 
             "upstream": { "unix": auth_client },
             "dovecot": {
                 "rip_policy": "substitute",
-                "client_address": APP_CLIENT_ADDRESS
+                "client_address": APP_CLIENT_ADDRESS,
+                "reserved_networks": ["100.64.0.0/10"]
             }
         }]
     })

@@ -23,7 +23,8 @@ fn config(app: &str, dir: &Path, upstream: &Path, run_as: Option<u32>) -> serde_
         "transport": {"unix": {"listen": {"dovecot-auth": dir.join(format!("{app}.sock"))}}},
         "services": [{"name": "dovecot-auth", "port": 5001, "kind": "dovecot-auth",
                       "upstream": {"unix": upstream},
-                      "dovecot": {"rip_policy": "drop"}}]
+                      "dovecot": {"rip_policy": "drop",
+                                  "reserved_networks": ["100.64.0.0/10"]}}]
     });
     if let Some(id) = run_as {
         c["run_as"] = serde_json::json!({"uid": id, "gid": id, "groups": [id]});

@@ -123,6 +123,11 @@ pub fn per_vm_config(
     upstream: &Path,
     dovecot: serde_json::Value,
 ) -> serde_json::Value {
+    // The platform's per-app address pool; every dovecot-auth service must name it.
+    let mut dovecot = dovecot;
+    if dovecot.get("reserved_networks").is_none() {
+        dovecot["reserved_networks"] = serde_json::json!(["100.64.0.0/10"]);
+    }
     serde_json::json!({
         "app": app,
         "vm": {"id": format!("vm-{app}"), "gateways": ["10.0.2.2"]},

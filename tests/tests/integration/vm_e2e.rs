@@ -151,7 +151,11 @@ fn auth_relay(spec: &VmSpec, dovecot: &Dovecot) -> RelaySpec {
                 "port": AUTH_PORT,
                 "kind": "dovecot-auth",
                 "upstream": { "unix": dovecot.auth_client() },
-                "dovecot": { "rip_policy": "substitute", "client_address": "100.64.0.1" }
+                "dovecot": {
+                    "rip_policy": "substitute",
+                    "client_address": "100.64.0.1",
+                    "reserved_networks": ["100.64.0.0/10"]
+                }
             }],
             "undeclared": [{ "name": "agent", "port": UNDECLARED_PORT }]
         }),

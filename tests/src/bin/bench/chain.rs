@@ -159,11 +159,14 @@ pub fn start(dir: &Path, tag: &str, service: &Path) -> io::Result<Route> {
     });
     if dovecot {
         svc["kind"] = "dovecot-auth".into();
-        svc["dovecot"] = serde_json::json!({ "client_address": "100.64.0.7" });
+        svc["dovecot"] = serde_json::json!({
+            "client_address": "100.64.0.7",
+            "reserved_networks": ["100.64.0.0/10"]
+        });
     }
     let relay_conf = serde_json::json!({
         "app": format!("bench-{tag}"),
-        "vm": {"id": format!("bench-{tag}")},
+        "vm": {"id": format!("bench-{tag}"), "gateways": ["10.0.2.2"]},
         "transport": {"per_vm_socket": {"vsock_uds": uds}},
         "services": [svc],
     });
