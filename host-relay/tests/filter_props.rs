@@ -272,10 +272,24 @@ proptest! {
     }
 }
 
+/// A `SOCK_SEQPACKET` pair: each `send` is one record, each `recv` returns one, so a line
+/// the relay writes in two calls is seen as two reads (stream reads would coalesce them).
+fn seqpacket_pair() -> (Conn, Conn) {
+    use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
+    let (a, b) = socketpair(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        None,
+        SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
+    )
+    .unwrap();
+    (Conn::from_owned(a).unwrap(), Conn::from_owned(b).unwrap())
+}
+
 #[tokio::test]
 async fn a_greeting_written_at_once_is_read_at_once() {
-    let (guest, guest_relay) = pair().await;
-    let (service_relay, service) = pair().await;
+    let (guest, guest_relay) = seqpacket_pair();
+    let (service_relay, service) = seqpacket_pair();
     let p = policy(RipRule::Drop);
     tokio::spawn(async move {
         let _ = host_relay::serve::dovecot_session(&guest_relay, &service_relay, &p).await;
@@ -289,6 +303,11 @@ async fn a_greeting_written_at_once_is_read_at_once() {
     service.write_all(b"OK\t1\tuser=alice\n").await.unwrap();
     let n = guest.read(&mut buf).await.unwrap();
     assert_eq!(&buf[..n], b"OK\t1\tuser=alice\n");
+    // Guest to service: two whole lines written at once leave the filter as written.
+    let lines = b"VERSION\t1\t1\nCPID\t9\n";
+    guest.write_all(lines).await.unwrap();
+    let n = service.read(&mut buf).await.unwrap();
+    assert_eq!(&buf[..n], lines);
 }
 
 #[tokio::test]

@@ -138,10 +138,37 @@ pub fn resolve_accel(
     cache: &Path,
     run_dir: &Path,
 ) -> Accel {
-    match std::env::var("QEMU_ACCEL").as_deref() {
-        Ok("kvm") => return Accel::Kvm,
-        Ok("tcg") => return Accel::Tcg,
-        _ => {}
+    let env = std::env::var("QEMU_ACCEL").ok();
+    resolve_accel_with(env.as_deref(), requested, qemu, kernel, cache, run_dir)
+}
+
+/// What `QEMU_ACCEL` asks for: `Ok(None)` when unset or empty, an error naming the
+/// accepted values otherwise.
+pub fn accel_override(value: Option<&str>) -> Result<Option<Accel>, String> {
+    match value {
+        None | Some("") => Ok(None),
+        Some("kvm") => Ok(Some(Accel::Kvm)),
+        Some("tcg") => Ok(Some(Accel::Tcg)),
+        Some(other) => Err(format!(
+            "QEMU_ACCEL={other:?} is not an accelerator; use kvm or tcg, or unset it to detect"
+        )),
+    }
+}
+
+/// [`resolve_accel`] with the environment variable's value passed in.
+pub fn resolve_accel_with(
+    env: Option<&str>,
+    requested: Accel,
+    qemu: &Path,
+    kernel: &Path,
+    cache: &Path,
+    run_dir: &Path,
+) -> Accel {
+    match accel_override(env) {
+        Ok(Some(a)) => return a,
+        Ok(None) => {}
+        // The harness has no error path here; say so loudly and detect instead.
+        Err(e) => eprintln!("qemu-harness: {e}; ignoring it"),
     }
     if requested != Accel::Auto {
         return requested;
@@ -270,9 +297,31 @@ mod tests {
 
     #[test]
     fn qemu_accel_env_overrides_detection() {
-        // Only the explicit answers; `Auto` without the variable is probed (not here).
-        assert_eq!(Accel::Tcg.name(), "tcg");
-        assert_eq!(Accel::Auto.name(), "tcg");
-        assert_eq!(Accel::Kvm.name(), "kvm");
+        assert_eq!(accel_override(None), Ok(None));
+        assert_eq!(accel_override(Some("")), Ok(None));
+        assert_eq!(accel_override(Some("kvm")), Ok(Some(Accel::Kvm)));
+        assert_eq!(accel_override(Some("tcg")), Ok(Some(Accel::Tcg)));
+        let e = accel_override(Some("KVM")).unwrap_err();
+        assert!(e.contains("QEMU_ACCEL") && e.contains("kvm or tcg"), "{e}");
+        // The variable wins over what the caller asked for, and over detection: with it
+        // set, nothing is probed (the QEMU and kernel paths do not even exist).
+        let dir = tempfile::tempdir().unwrap();
+        let none = dir.path().join("missing");
+        for (env, requested, want) in [
+            ("kvm", Accel::Tcg, Accel::Kvm),
+            ("tcg", Accel::Kvm, Accel::Tcg),
+            ("kvm", Accel::Auto, Accel::Kvm),
+        ] {
+            let got =
+                resolve_accel_with(Some(env), requested, &none, &none, dir.path(), dir.path());
+            assert_eq!(got, want, "QEMU_ACCEL={env} with {requested:?}");
+        }
+        // Unset: an explicit request is kept as it is.
+        let got = resolve_accel_with(None, Accel::Kvm, &none, &none, dir.path(), dir.path());
+        assert_eq!(got, Accel::Kvm);
+        assert!(
+            std::fs::read_dir(dir.path()).unwrap().next().is_none(),
+            "nothing probed or cached"
+        );
     }
 }
