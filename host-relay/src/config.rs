@@ -201,6 +201,19 @@ pub struct ServiceConfig {
     /// Filter options (kind `dovecot-auth` only).
     #[serde(default)]
     pub dovecot: Option<DovecotConfig>,
+    /// At most this many of this VM's connections are open to the upstream at once
+    /// (default [`DEFAULT_MAX_UPSTREAM`]); more wait, in arrival order, for one to end.
+    #[serde(default = "default_max_upstream")]
+    pub max_upstream: u32,
+}
+
+/// The default per-VM limit on concurrent upstream connections of one service: a
+/// sixteenth of stock Dovecot's `client_limit` of 1,000, which every app on the host
+/// shares, so one guest's burst cannot take the service from the others.
+pub const DEFAULT_MAX_UPSTREAM: u32 = 64;
+
+fn default_max_upstream() -> u32 {
+    DEFAULT_MAX_UPSTREAM
 }
 
 /// A platform service the app did not declare: listened on, every connection refused.
@@ -337,6 +350,12 @@ impl Config {
                 }
                 (Kind::DovecotAuth, d) => self.check_dovecot(&f, &d.clone().unwrap_or_default())?,
                 (Kind::Stream, None) => {}
+            }
+            if !(1..=65_535).contains(&s.max_upstream) {
+                return Err(invalid(
+                    format!("{f}.max_upstream"),
+                    "must be 1 to 65535: connections beyond it wait, so 0 would block every one",
+                ));
             }
         }
         for (i, u) in self.undeclared.iter().enumerate() {

@@ -13,6 +13,12 @@
 //! never answers, a guest that never reads) blocks nothing else. The listener backlog is
 //! 4096.
 //!
+//! **One guest cannot starve the others.** A shared service has a limit of its own
+//! (stock Dovecot: 1,000 auth clients for everyone). Each service instance admits at most
+//! `max_upstream` (default 64) of this VM's connections to the upstream at once; beyond
+//! that a connection is accepted and waits, in arrival order, for a slot. So a burst is
+//! never refused (ADR 065 §2) and never holds more than its share of the service.
+//!
 //! **What is logged.** One line per connection decision, with app, service, peer and
 //! reason (`admitted`, or `refused` with e.g. "service not declared by app", or the
 //! foreign CID and port). Closing a dovecot-auth connection for a bad line logs the kind
@@ -27,7 +33,7 @@ use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::watch;
+use tokio::sync::{watch, Semaphore};
 use vm_transport::accept::{self, Accepted, Failure};
 use vm_transport::{pump, Conn, Endpoint, Listener, Peer};
 
@@ -39,6 +45,11 @@ use crate::listen::Bound;
 
 /// How long dialling an upstream may take before the guest's connection is closed.
 pub const UPSTREAM_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a connection may wait for an upstream slot (see
+/// [`crate::config::ServiceConfig::max_upstream`]) before it is closed: long past any
+/// client's own timeout, so the relay never gives up on a caller that is still waiting.
+pub const UPSTREAM_QUEUE_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// One listener's job.
 #[derive(Debug)]
@@ -53,6 +64,8 @@ pub struct Instance {
     pub upstream: Option<Endpoint>,
     /// The dovecot-auth filter, if any.
     pub filter: Option<Policy>,
+    /// Admits at most `max_upstream` concurrent upstream connections; the rest wait.
+    pub upstream_slots: Arc<Semaphore>,
 }
 
 /// Builds the instance for a listener: `service` indexes `config.services`, `None` is an
@@ -85,6 +98,7 @@ pub fn instance(config: &Config, service: Option<usize>, name: &str) -> Instance
         },
         upstream: svc.map(|s| s.upstream.clone()),
         filter,
+        upstream_slots: Arc::new(Semaphore::new(svc.map_or(1, |s| s.max_upstream as usize))),
     }
 }
 
@@ -142,6 +156,26 @@ async fn accept_loop(listener: Listener, inst: Arc<Instance>, mut stop: watch::R
 async fn serve_conn(inst: Arc<Instance>, guest: Conn, peer: Peer) {
     let Some(upstream) = &inst.upstream else {
         return;
+    };
+    // Beyond the service's limit the connection waits here, accepted and queued in arrival
+    // order (tokio's semaphore is fair), until one of this VM's connections ends: a burst
+    // is never refused, and never takes more than its share of the service.
+    let _slot = match inst.upstream_slots.clone().try_acquire_owned() {
+        Ok(p) => p,
+        Err(_) => {
+            tracing::debug!(app = %inst.app, service = %inst.service, peer = %peer,
+                "upstream limit reached; waiting for a slot");
+            let wait = inst.upstream_slots.clone().acquire_owned();
+            match tokio::time::timeout(UPSTREAM_QUEUE_TIMEOUT, wait).await {
+                Ok(Ok(p)) => p,
+                _ => {
+                    tracing::warn!(app = %inst.app, service = %inst.service, peer = %peer,
+                        wait_s = UPSTREAM_QUEUE_TIMEOUT.as_secs(),
+                        "no upstream slot freed in time; closing");
+                    return;
+                }
+            }
+        }
     };
     let service = match tokio::time::timeout(UPSTREAM_CONNECT_TIMEOUT, upstream.connect()).await {
         Ok(Ok(c)) => c,

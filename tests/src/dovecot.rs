@@ -62,6 +62,9 @@ pub struct DovecotOptions {
     /// Log every request's fields (`auth_verbose`, `auth_debug`) as evidence of what the
     /// relay passed on.
     pub log_requests: bool,
+    /// Keep Dovecot's stock client limits (1,000 connections per auth process, shared by
+    /// every app) instead of raising them to [`CLIENT_LIMIT`].
+    pub stock_limits: bool,
 }
 
 impl Default for DovecotOptions {
@@ -73,6 +76,7 @@ impl Default for DovecotOptions {
             ],
             listeners: Vec::new(),
             log_requests: false,
+            stock_limits: false,
         }
     }
 }
@@ -135,17 +139,26 @@ impl Dovecot {
         } else {
             ""
         };
+        let (default_limit, auth_limit, anvil) = if opts.stock_limits {
+            (String::new(), String::new(), String::new())
+        } else {
+            let limit = CLIENT_LIMIT + 100;
+            (
+                format!("default_client_limit = {CLIENT_LIMIT}\n"),
+                format!("  client_limit = {limit}\n"),
+                format!("service anvil {{\n  client_limit = {limit}\n}}\n"),
+            )
+        };
         let conf = format!(
             "base_dir = {d}/run\nstate_dir = {d}/state\ninstance_name = fixture-{instance}\n\
              protocols = none\nssl = no\nlog_path = {d}/dovecot.log\n\
              auth_mechanisms = plain login\n{logging}\
-             default_client_limit = {CLIENT_LIMIT}\n\
+             {default_limit}\
              passdb {{\n  driver = passwd-file\n  args = scheme=PLAIN username_format=%u {d}/users\n}}\n\
              userdb {{\n  driver = static\n  args = uid=65534 gid=65534 home=/nonexistent\n}}\n\
-             service auth {{\n  client_limit = {limit}\n{unix_listeners}}}\n\
-             service anvil {{\n  client_limit = {limit}\n}}\n",
+             service auth {{\n{auth_limit}{unix_listeners}}}\n\
+             {anvil}",
             d = d.display(),
-            limit = CLIENT_LIMIT + 100,
         );
         std::fs::write(d.join("dovecot.conf"), conf)?;
         let mut cmd = Command::new(DOVECOT);
@@ -223,6 +236,21 @@ impl Dovecot {
     }
 
     /// Dovecot's log so far.
+    /// The pid of Dovecot's `auth` process, the one that holds every auth-client
+    /// connection (a child of this instance's master), once it has started.
+    pub fn auth_pid(&self) -> Option<u32> {
+        let master = self.child.id();
+        std::fs::read_dir("/proc").ok()?.find_map(|e| {
+            let pid: u32 = e.ok()?.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            // "<pid> (<comm>) <state> <ppid> ..."; comm may hold spaces, so split at ')'.
+            let (head, rest) = stat.rsplit_once(')')?;
+            let comm = head.split_once('(')?.1;
+            let ppid: u32 = rest.split_whitespace().nth(1)?.parse().ok()?;
+            (comm == "auth" && ppid == master).then_some(pid)
+        })
+    }
+
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.log_path()).unwrap_or_default()
     }

@@ -345,8 +345,8 @@ impl Scenario {
         // Dovecot on the host, logging each request's rip.
         let dovecot = crate::dovecot::Dovecot::start(&crate::dovecot::DovecotOptions {
             users: vec![(USER.into(), PASSWORD.into())],
-            listeners: Vec::new(),
             log_requests: true,
+            ..Default::default()
         })
         .map_err(|e| ScenarioError::new("dovecot", e))?;
         let dovecot_version =

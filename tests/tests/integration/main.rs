@@ -13,6 +13,7 @@ mod enroll_e2e;
 mod enroll_vm;
 mod enroll_vm_reboot;
 mod relay_burst_of_sign_ins;
+mod relay_burst_within_the_services_limit;
 mod relay_forged_names_change_nothing;
 mod relay_gateway;
 mod relay_lifecycle;
