@@ -230,6 +230,12 @@ fn stop_case(case: Case) {
             console.contains("guest-init: power button: watching /dev/input/event"),
             "guest-init watches no power button:\n{console}"
         );
+        for l in console
+            .lines()
+            .filter(|l| l.contains("power button: watching"))
+        {
+            eprintln!("[vm_stop] {l}");
+        }
     }
     let report: StopReport = match case.way {
         Way::PowerButton => vm.power_button(),
@@ -267,7 +273,10 @@ fn stop_case(case: Case) {
         ]
     };
     for want in app_end.iter().chain(&case.end) {
-        assert!(console.contains(want), "no {want:?} on the console:\n{console}");
+        assert!(
+            console.contains(want),
+            "no {want:?} on the console:\n{console}"
+        );
     }
     for bad in ["Kernel panic", "Attempted to kill init"] {
         assert!(!console.contains(bad), "console shows {bad:?}:\n{console}");
