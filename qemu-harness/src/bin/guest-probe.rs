@@ -15,7 +15,7 @@
 //!   included).
 //! - `serve-echo PATH`: a Unix echo server (a guest service the host reaches).
 //! - `zombies N`: makes N orphans that die at once (zombies for PID 1 to reap), then
-//!   watches `/proc` and prints how many zombies are left.
+//!   watches `/proc` and prints how many zombies are left (`guest-probe/zombies.rs`).
 //! - `last-words --socket PATH --words TEXT`: waits for SIGTERM, then writes TEXT and a
 //!   newline to PATH, waits for the host's `ack` line, and exits 0.
 //! - `vsock-connect --cid C --port P [--port P...]`: AF_VSOCK connects; prints what happened
@@ -55,6 +55,8 @@ macro_rules! say {
 mod cid;
 #[path = "guest-probe/write_wait.rs"]
 mod write_wait;
+#[path = "guest-probe/zombies.rs"]
+mod zombies;
 
 fn usage(msg: &str) -> ExitCode {
     eprintln!("guest-probe: usage error: {msg}");
@@ -230,72 +232,6 @@ fn serve_echo(path: &str) -> std::io::Result<()> {
         }
     });
     Ok(())
-}
-
-fn count_zombie_orphans() -> usize {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return usize::MAX;
-    };
-    dir.filter_map(|e| e.ok())
-        .filter(|e| {
-            e.file_name()
-                .to_string_lossy()
-                .bytes()
-                .all(|b| b.is_ascii_digit())
-        })
-        .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
-        .filter(|stat| {
-            // "pid (comm) S ppid ...": fields after the last ')'.
-            let rest = stat.rsplit(')').next().unwrap_or("");
-            let mut f = rest.split_whitespace();
-            f.next() == Some("Z") && f.next() == Some("1")
-        })
-        .count()
-}
-
-fn zombies(n: usize) -> bool {
-    // A child forks N grandchildren that exit at once, then exits itself: the grandchildren
-    // are re-parented to PID 1 and stay zombies until it reaps them.
-    // SAFETY: fork in a process whose other threads do nothing (none were started yet); the
-    // child calls only async-signal-safe functions (fork, _exit) before exiting.
-    let pid = unsafe { libc::fork() };
-    if pid == 0 {
-        for _ in 0..n {
-            // SAFETY: as above.
-            unsafe {
-                if libc::fork() == 0 {
-                    libc::_exit(0);
-                }
-            }
-        }
-        // Give the grandchildren time to exit so they are zombies when orphaned.
-        // SAFETY: usleep and _exit are async-signal-safe.
-        unsafe {
-            libc::usleep(200_000);
-            libc::_exit(0);
-        }
-    }
-    if pid < 0 {
-        say!("zombies fork failed");
-        return false;
-    }
-    let mut status = 0;
-    // SAFETY: waits for our own child.
-    unsafe { libc::waitpid(pid, &mut status, 0) };
-    say!("zombies made {n} orphans");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let left = count_zombie_orphans();
-        if left == 0 {
-            say!("zombies left 0 (all reaped by PID 1)");
-            return true;
-        }
-        if Instant::now() > deadline {
-            say!("zombies left {left} after 30 s");
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 fn last_words(socket: &str, words: &str) -> bool {
@@ -523,7 +459,7 @@ fn main() -> ExitCode {
             let Some(n) = args.get(1).and_then(|n| n.parse().ok()) else {
                 return usage("zombies N");
             };
-            zombies(n)
+            zombies::zombies(n)
         }
         "last-words" => {
             let (Some(socket), Some(words)) = (opt("--socket"), opt("--words")) else {
