@@ -17,7 +17,8 @@
 //! - [`boot`]: early mounts, hostname, loopback, kernel modules, switch-root.
 //! - [`app`]: starting the app as its user, with capabilities dropped.
 //! - [`supervisor`]: reaping, restarts, signal handling; [`shutdown`]: the orderly end.
-//! - [`control`]: the host's stop request over vsock.
+//! - [`control`]: the host's stop request over vsock; [`power_button`]: the ACPI power
+//!   button (`KEY_POWER` through evdev) as another way to ask for the orderly end.
 //! - [`panic`]: a panic in PID 1 becomes a logged, orderly power-off.
 //! - [`enroll`]: the VM's key and certificate through bootstrap-token enrollment.
 
@@ -31,5 +32,6 @@ pub mod enroll;
 pub mod forward;
 pub mod ids;
 pub mod panic;
+pub mod power_button;
 pub mod shutdown;
 pub mod supervisor;

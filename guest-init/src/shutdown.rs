@@ -46,6 +46,8 @@ pub enum Reason {
     Signal(Signal),
     /// The host's `stop` on the control port.
     HostRequest,
+    /// The ACPI power button (`KEY_POWER` from an input device).
+    PowerButton,
     /// The app ended for good.
     AppEnded,
     /// A fatal error (already logged as `error: fatal: ...`).
@@ -59,6 +61,7 @@ impl std::fmt::Display for Reason {
         match self {
             Reason::Signal(s) => write!(f, "signal {}", s.as_str()),
             Reason::HostRequest => f.write_str("host request"),
+            Reason::PowerButton => f.write_str("power button"),
             Reason::AppEnded => f.write_str("app ended"),
             Reason::Fatal => f.write_str("fatal error"),
             Reason::Panic => f.write_str("panic"),
@@ -425,6 +428,7 @@ mod tests {
             "signal SIGTERM"
         );
         assert_eq!(Reason::HostRequest.to_string(), "host request");
+        assert_eq!(Reason::PowerButton.to_string(), "power button");
         assert_eq!(Reason::AppEnded.to_string(), "app ended");
         assert_eq!(Reason::Fatal.to_string(), "fatal error");
         assert_eq!(Reason::Panic.to_string(), "panic");

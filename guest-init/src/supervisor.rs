@@ -10,8 +10,9 @@
 //! either leaks zombies or misses the app's end.
 //!
 //! **Signals.** SIGTERM, SIGINT (what the kernel sends PID 1 for Ctrl-Alt-Del once
-//! `reboot(RB_DISABLE_CAD)` is set), SIGPWR and the host's `stop` on the control port all
-//! return a [`Reason`] from [`run`], and the caller runs the one shutdown path. SIGHUP,
+//! `reboot(RB_DISABLE_CAD)` is set), SIGPWR, the host's `stop` on the control port and a
+//! press of the ACPI power button (`crate::power_button`, as PID 1) all end `live` with a
+//! [`Reason`], and [`run`] then runs the one shutdown path. SIGHUP,
 //! SIGUSR1 and SIGUSR2 are forwarded to the app process (reload, log rotation), not its
 //! whole group. Handlers are installed before the app starts, so no signal finds PID 1
 //! without a handler (for PID 1 such a signal would simply be dropped by the kernel).
@@ -186,6 +187,10 @@ async fn live(cfg: &Config, started: Instant, keep: &mut Keep) -> Reason {
             Err(e) => return fatal(format_args!("control.listen: {e}")),
         }
     }
+    // The power button is watched from here on, before the app starts: a VMM may press it
+    // at any time after boot.
+    let (power_tx, mut power_rx) = mpsc::unbounded_channel();
+    crate::power_button::watch(power_tx);
     // Every forwarded connection holds two descriptors, and the kernel starts init with a
     // soft limit of 1024: lift it to the hard limit (4096 for init, above the VMMs' 1023
     // vsock connections per VM). The app gets the original limits back (`AppSpec`).
@@ -268,6 +273,7 @@ async fn live(cfg: &Config, started: Instant, keep: &mut Keep) -> Reason {
             _ = sigs.int.recv() => return Reason::Signal(Signal::SIGINT),
             _ = sigs.pwr.recv() => return Reason::Signal(Signal::SIGPWR),
             Some(()) = stop_rx.recv() => return Reason::HostRequest,
+            Some(()) = power_rx.recv() => return Reason::PowerButton,
             _ = sigs.hup.recv() => forward_signal(Signal::SIGHUP),
             _ = sigs.usr1.recv() => forward_signal(Signal::SIGUSR1),
             _ = sigs.usr2.recv() => forward_signal(Signal::SIGUSR2),

@@ -11,6 +11,11 @@
 //! - The configuration's `modules` list is expanded with [`crate::modules::ModuleDb`] into
 //!   the full load order, and each module file is copied to `/lib/modules/<name>.ko`
 //!   (the layout in `docs/CONTRACTS.md`). A missing module is an error naming it.
+//! - A configuration that loads modules also gets [`crate::POWER_BUTTON_MODULES`] (`button`
+//!   and `evdev`), appended after its own, whenever the kernel has them: without them a
+//!   VMM's ACPI power button (QEMU's `system_powerdown`, `virsh shutdown`) reaches no one
+//!   and the VM is killed after the VMM's timeout. A kernel without them (or with them
+//!   built in) simply gets none; a configuration without modules is left as it is.
 //! - The compressed size is checked against the limit, with an error that gives both sizes
 //!   and the fix (a root disk for big apps).
 //!
@@ -296,6 +301,12 @@ fn expand_modules(
         return Err(ImageError::NoKernelModules(names.len()));
     };
     let db = ModuleDb::load(dir)?;
+    for extra in crate::POWER_BUTTON_MODULES {
+        // Only what this kernel has as a loadable module; never an error.
+        if db.resolve(&[extra]).is_ok_and(|m| !m.is_empty()) {
+            names.push(extra.to_string());
+        }
+    }
     let modules = db.resolve(&names)?;
     obj.insert(
         "modules".into(),
@@ -361,6 +372,8 @@ mod tests {
         let two = build(&spec).unwrap();
         assert_eq!(one.bytes, two.bytes);
         assert_eq!(one.config["modules"], json!(["a", "b"]));
+        // No power-button modules in this kernel: none are added.
+        assert_eq!(one.modules.len(), 2);
 
         // Unpack with the real cpio tool and check the layout.
         let out = tmp.path().join("x");
@@ -400,6 +413,30 @@ mod tests {
             std::fs::read(out.join("init")).unwrap(),
             std::fs::read(&init).unwrap()
         );
+    }
+
+    #[test]
+    fn power_button_modules_are_added_when_the_kernel_has_them() {
+        let Some(init) = busybox() else { return };
+        let tmp = tempfile::tempdir().unwrap();
+        let k = fake_kernel(tmp.path());
+        std::fs::create_dir_all(k.join("kernel/acpi")).unwrap();
+        let mut dep = std::fs::read_to_string(k.join("modules.dep")).unwrap();
+        dep.push_str("kernel/acpi/button.ko:\nkernel/v/evdev.ko:\n");
+        std::fs::write(k.join("modules.dep"), dep).unwrap();
+        std::fs::write(k.join("kernel/acpi/button.ko"), b"button").unwrap();
+        std::fs::write(k.join("kernel/v/evdev.ko"), b"evdev").unwrap();
+        let mut spec = InitramfsSpec::new(&init, json!({"modules": ["b"]}));
+        spec.kernel_modules = Some(k.clone());
+        let img = build(&spec).unwrap();
+        assert_eq!(img.config["modules"], json!(["a", "b", "button", "evdev"]));
+        // Listed already: not twice.
+        spec.config = json!({"modules": ["evdev", "b"]});
+        let img = build(&spec).unwrap();
+        assert_eq!(img.config["modules"], json!(["evdev", "a", "b", "button"]));
+        // No modules at all: the configuration stays as it is.
+        spec.config = json!({});
+        assert_eq!(build(&spec).unwrap().config.get("modules"), None);
     }
 
     #[test]

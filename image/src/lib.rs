@@ -33,3 +33,9 @@ pub const VSOCK_MODULES: &[&str] = &[
     "vmw_vsock_virtio_transport_common",
     "vmw_vsock_virtio_transport",
 ];
+
+/// The modules that turn an ACPI power-button press into an input event guest-init can read:
+/// the ACPI `button` driver and `evdev` (`/dev/input/event*`). Debian's cloud kernels build
+/// both as modules. The initramfs builder adds them to every configuration that loads
+/// modules, when the kernel has them (see [`initramfs`]).
+pub const POWER_BUTTON_MODULES: &[&str] = &["button", "evdev"];

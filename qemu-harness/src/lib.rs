@@ -6,7 +6,9 @@
 //!   KVM-or-TCG decision, made by trying.
 //! - [`process`]: supervised child processes that never outlive the harness.
 //! - [`hybrid`]: host-to-guest connections through the VM's hybrid vsock socket.
-//! - [`vm`]: [`VmSpec`] and [`Vm`]: boot, wait for ready, connect, stop, clean up.
+//! - [`vm`]: [`VmSpec`] and [`Vm`]: boot, wait for ready, connect, clean up.
+//! - [`stop`]: ending a VM: the control port's `stop`, the ACPI power button and
+//!   Ctrl-Alt-Del through [`qmp`], and waiting for QEMU's exit.
 //!
 //! The guest test program `guest-probe` (`src/bin/guest-probe.rs`) is built from this
 //! package for musl and runs inside guests as the app. See `docs/HARNESS.md`.
@@ -15,6 +17,8 @@ pub mod hybrid;
 pub mod kernel;
 pub mod process;
 pub mod qemu;
+pub mod qmp;
+pub mod stop;
 pub mod vm;
 
 use std::path::Path;
@@ -22,7 +26,8 @@ use std::time::Duration;
 
 pub use kernel::Kernel;
 pub use qemu::{Accel, UserNet};
-pub use vm::{Image, Ready, RelaySpec, StopReport, Vm, VmSpec};
+pub use stop::StopReport;
+pub use vm::{Image, Ready, RelaySpec, Vm, VmSpec};
 
 /// A harness error: what failed, and the console or log lines that explain it.
 #[derive(Debug, thiserror::Error)]
@@ -75,6 +80,14 @@ pub enum HarnessError {
         source: std::io::Error,
         /// The end of the console.
         tail: String,
+    },
+    /// A QMP command failed (no socket, no greeting, or QEMU refused it).
+    #[error("QMP {command}: {detail}")]
+    Qmp {
+        /// The command.
+        command: String,
+        /// What went wrong.
+        detail: String,
     },
     /// File system I/O on the run directory.
     #[error("{path}: {source}")]

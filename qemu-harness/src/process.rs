@@ -20,6 +20,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::HarnessError;
+
 /// A supervised child process.
 #[derive(Debug)]
 pub struct Child {
@@ -158,6 +160,34 @@ pub fn excerpt(text: &str) -> String {
 pub fn tail(text: &str, n: usize) -> String {
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// Waits until `child` has created `path`; fails at once if the child dies, or after
+/// `timeout`, quoting the child's log.
+pub(crate) fn wait_for_path(
+    path: &Path,
+    timeout: Duration,
+    child: &mut Child,
+) -> Result<(), HarnessError> {
+    let deadline = Instant::now() + timeout;
+    while !path.exists() {
+        if let Some(status) = child.try_status() {
+            return Err(HarnessError::ProcessDied {
+                name: child.name().to_string(),
+                status: status.to_string(),
+                log_tail: excerpt(&child.log()),
+            });
+        }
+        if Instant::now() >= deadline {
+            return Err(HarnessError::Timeout {
+                what: format!("{} to create {}", child.name(), path.display()),
+                after: timeout,
+                tail: tail(&child.log(), 40),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

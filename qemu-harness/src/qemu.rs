@@ -6,7 +6,8 @@
 //! `docs/HARNESS.md`): `q35`, guest RAM from a **shared memfd** memory backend (mandatory:
 //! vhost-user needs the backend to map guest memory; without `share=on` the guest's connects
 //! silently time out), `vhost-user-vsock-pci` on the backend's socket, no default devices,
-//! the serial console into a file, `-no-reboot` so a guest reboot or panic ends QEMU.
+//! the serial console into a file, `-no-reboot` so a guest reboot or panic ends QEMU, and a
+//! QMP socket through which the harness presses the power button or Ctrl-Alt-Del.
 //!
 //! **KVM or TCG, detected by trying.** `/dev/kvm` existing proves little: on a host that is
 //! itself a VM with restricted KVM, guests hang or abort. So [`Accel::Auto`] boots the real
@@ -74,6 +75,8 @@ pub struct QemuArgs {
     pub disks: Vec<(PathBuf, bool)>,
     /// User networking.
     pub net: Option<UserNet>,
+    /// A QMP server socket (`-qmp unix:PATH,server=on,wait=off`) for the harness's buttons.
+    pub qmp: Option<PathBuf>,
 }
 
 impl QemuArgs {
@@ -105,6 +108,10 @@ impl QemuArgs {
             .arg(&self.initrd)
             .arg("-append")
             .arg(&self.cmdline);
+        if let Some(qmp) = &self.qmp {
+            c.arg("-qmp")
+                .arg(format!("unix:{},server=on,wait=off", qmp.display()));
+        }
         for (i, (path, ro)) in self.disks.iter().enumerate() {
             c.arg("-drive").arg(format!(
                 "file={},if=none,id=disk{i},format=raw,cache=unsafe{}",
@@ -248,6 +255,7 @@ mod tests {
             net: Some(UserNet {
                 forwards: vec![("127.0.0.1:18080".into(), 5232)],
             }),
+            qmp: Some("/r/qmp.sock".into()),
         }
     }
 
@@ -282,6 +290,7 @@ mod tests {
             "file=/r/root.ext4,if=none,id=disk0,format=raw,cache=unsafe,readonly=on",
             "virtio-blk-pci,drive=disk0",
             "user,model=virtio-net-pci,hostfwd=tcp:127.0.0.1:18080-:5232",
+            "-qmp unix:/r/qmp.sock,server=on,wait=off",
         ] {
             assert!(v.contains(want), "missing {want:?} in {v}");
         }

@@ -21,28 +21,25 @@
 //! of running into a timeout. (vhost-device-vsock 0.3.0 can die on a host client that
 //! closes too early; the harness's own connections never do, see `vm_transport::hybrid`.)
 //!
-//! **Stop.** [`Vm::stop`] asks guest-init to stop over its vsock control port
-//! (`stop\n` → `ok stopping\n`, `docs/CONTRACTS.md`) and waits for QEMU to exit by
-//! itself: the app gets SIGTERM and the guest powers off in order. Only when that does
-//! not happen within the stop timeout is QEMU killed, and the report says so
-//! ([`StopReport::killed`]); it is never retried silently.
+//! **Stop.** The ways to end a running VM (guest-init's control port, the ACPI power
+//! button and Ctrl-Alt-Del through QMP) and the waits for QEMU's exit live in
+//! [`crate::stop`]; QEMU always gets a QMP socket ([`VmSpec::qmp_socket`]) for them.
 //!
 //! **Cleanup.** Dropping a [`Vm`] ends QEMU, the relays and the backend (in that order)
 //! and removes the run directory with its sockets — except when the thread is panicking
 //! (a failing test): then the directory, with the console and every process's log, is
 //! kept and its path printed.
 
-use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus};
+use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use vm_image::initramfs::{self, InitramfsSpec};
 
 use crate::kernel::{cache_dir, Kernel};
-use crate::process::{excerpt, tail, Child};
+use crate::process::{tail, wait_for_path, Child};
 use crate::qemu::{resolve_accel, Accel, QemuArgs, UserNet};
 use crate::HarnessError;
 
@@ -154,6 +151,11 @@ impl VmSpec {
         self.run_dir.join("vm.vsock")
     }
 
+    /// QEMU's QMP socket (`-qmp unix:...`), through which the harness presses buttons.
+    pub fn qmp_socket(&self) -> PathBuf {
+        self.run_dir.join("qmp.sock")
+    }
+
     /// Where a guest connection to host port `port` arrives: `<vsock uds>_<port>`.
     pub fn port_socket(&self, port: u32) -> PathBuf {
         self.run_dir.join(format!("vm.vsock_{port}"))
@@ -171,63 +173,21 @@ pub struct Ready {
     pub line: String,
 }
 
-/// How a stop went.
-#[derive(Clone, Debug)]
-pub struct StopReport {
-    /// guest-init's answer on the control port.
-    pub reply: String,
-    /// QEMU's exit status.
-    pub exit: Option<ExitStatus>,
-    /// Whether QEMU had to be killed after the stop timeout.
-    pub killed: bool,
-    /// From the request to QEMU's exit.
-    pub elapsed: Duration,
-}
-
-impl StopReport {
-    /// QEMU exited 0 by itself.
-    pub fn clean(&self) -> bool {
-        !self.killed && self.exit.is_some_and(|s| s.success())
-    }
-}
-
 /// A running VM. Dropping it ends every process it started.
 #[derive(Debug)]
 pub struct Vm {
-    spec: VmSpec,
+    pub(crate) spec: VmSpec,
     kernel: Kernel,
     accel: Accel,
     image_path: PathBuf,
     image_size: u64,
     console: PathBuf,
     phases: Vec<(String, Duration)>,
-    qemu: Option<Child>,
+    pub(crate) qemu: Option<Child>,
     relays: Vec<Child>,
     vhost: Option<Child>,
     qemu_started: Instant,
     ready: Option<Ready>,
-}
-
-fn wait_for_path(path: &Path, timeout: Duration, child: &mut Child) -> Result<(), HarnessError> {
-    let deadline = Instant::now() + timeout;
-    while !path.exists() {
-        if let Some(status) = child.try_status() {
-            return Err(HarnessError::ProcessDied {
-                name: child.name().to_string(),
-                status: status.to_string(),
-                log_tail: excerpt(&child.log()),
-            });
-        }
-        if Instant::now() >= deadline {
-            return Err(HarnessError::Timeout {
-                what: format!("{} to create {}", child.name(), path.display()),
-                after: timeout,
-                tail: tail(&child.log(), TAIL_LINES),
-            });
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    Ok(())
 }
 
 impl Vm {
@@ -238,7 +198,7 @@ impl Vm {
         Ok(vm)
     }
 
-    fn phase(&mut self, name: &str, detail: &str, t: Instant) {
+    pub(crate) fn phase(&mut self, name: &str, detail: &str, t: Instant) {
         let d = t.elapsed();
         if self.spec.progress {
             eprintln!(
@@ -416,6 +376,7 @@ impl Vm {
             console: vm.console.clone(),
             disks: vm.spec.disks.clone(),
             net: vm.spec.net.clone(),
+            qmp: Some(vm.spec.qmp_socket()),
         };
         let log = vm.spec.run_dir.join("qemu.log");
         let child =
@@ -480,7 +441,7 @@ impl Vm {
             .unwrap_or_default()
     }
 
-    fn console_tail(&self) -> String {
+    pub(crate) fn console_tail(&self) -> String {
         tail(&self.console(), TAIL_LINES)
     }
 
@@ -576,90 +537,6 @@ impl Vm {
         })
     }
 
-    /// Sends one control command (`stop`, `ping`) and returns the answer line.
-    pub fn control(&mut self, command: &str) -> Result<String, HarnessError> {
-        let port = self.spec.control_port;
-        let mut s = self.connect(port, Duration::from_secs(30))?;
-        let io = |e| HarnessError::Connect {
-            port,
-            source: e,
-            tail: String::new(),
-        };
-        s.set_read_timeout(Some(Duration::from_secs(30)))
-            .map_err(io)?;
-        s.write_all(format!("{command}\n").as_bytes()).map_err(io)?;
-        let mut reply = Vec::new();
-        let mut byte = [0u8; 1];
-        while reply.len() < 256 {
-            match s.read(&mut byte) {
-                Ok(0) => break,
-                Ok(_) if byte[0] == b'\n' => break,
-                Ok(_) => reply.push(byte[0]),
-                Err(e) => return Err(io(e)),
-            }
-        }
-        Ok(String::from_utf8_lossy(&reply).into_owned())
-    }
-
-    /// Asks guest-init to stop and waits for QEMU to exit by itself; kills it only after the
-    /// stop timeout, and says so in the report.
-    pub fn stop(&mut self) -> Result<StopReport, HarnessError> {
-        let t = Instant::now();
-        let reply = match self.control("stop") {
-            Ok(r) => r,
-            Err(e) => {
-                if let Some(q) = self.qemu.as_mut() {
-                    q.kill();
-                }
-                return Err(e);
-            }
-        };
-        let (exit, killed) = self.wait_exit_inner(self.spec.stop_timeout);
-        let report = StopReport {
-            reply,
-            exit,
-            killed,
-            elapsed: t.elapsed(),
-        };
-        let detail = if killed {
-            format!(
-                "QEMU did not exit within {:?} of the stop request: KILLED",
-                self.spec.stop_timeout
-            )
-        } else {
-            format!(
-                "guest answered {:?}, QEMU exit {:?}",
-                report.reply,
-                exit.and_then(|s| s.code())
-            )
-        };
-        self.phase("stop", &detail, t);
-        Ok(report)
-    }
-
-    fn wait_exit_inner(&mut self, timeout: Duration) -> (Option<ExitStatus>, bool) {
-        let Some(q) = self.qemu.as_mut() else {
-            return (None, false);
-        };
-        match q.wait_timeout(timeout) {
-            Some(s) => (Some(s), false),
-            None => (q.kill(), true),
-        }
-    }
-
-    /// Waits for the guest to end by itself (e.g. after a fatal error); kills QEMU after
-    /// `timeout` and reports [`HarnessError::Timeout`].
-    pub fn wait_exit(&mut self, timeout: Duration) -> Result<ExitStatus, HarnessError> {
-        match self.wait_exit_inner(timeout) {
-            (Some(s), false) => Ok(s),
-            _ => Err(HarnessError::Timeout {
-                what: "QEMU to exit by itself (it was killed)".into(),
-                after: timeout,
-                tail: self.console_tail(),
-            }),
-        }
-    }
-
     /// The processes this VM runs on the host, by name (QEMU, each relay, the backend).
     pub fn pids(&self) -> Vec<(String, u32)> {
         let mut v = Vec::new();
@@ -673,11 +550,6 @@ impl Vm {
             v.push((b.name().to_string(), b.pid()));
         }
         v
-    }
-
-    /// Whether QEMU is still running.
-    pub fn is_running(&mut self) -> bool {
-        self.qemu.as_mut().is_some_and(|q| q.try_status().is_none())
     }
 }
 

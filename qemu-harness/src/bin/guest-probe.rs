@@ -15,14 +15,17 @@
 //!   included).
 //! - `serve-echo PATH`: a Unix echo server (a guest service the host reaches).
 //! - `zombies N`: makes N orphans that die at once (zombies for PID 1 to reap), then
-//!   watches `/proc` and prints how many zombies are left.
+//!   watches `/proc` and prints how many zombies are left (`guest-probe/zombies.rs`).
 //! - `last-words --socket PATH --words TEXT`: waits for SIGTERM, then writes TEXT and a
 //!   newline to PATH, waits for the host's `ack` line, and exits 0.
 //! - `vsock-connect --cid C --port P [--port P...]`: AF_VSOCK connects; prints what happened
 //!   to each.
 //! - `cid-test --relay BIN --port P --echo PATH --config LABEL=FILE ...`: runs host-relay in
 //!   CID mode inside the guest over `vsock_loopback` (peer CID 1) once per config, and
-//!   prints whether each admitted or refused a loopback connection.
+//!   prints whether each admitted or refused a loopback connection (`guest-probe/cid.rs`).
+//! - `write-and-wait PATH SIZE [--ignore-term]`: writes SIZE bytes of a fixed pattern to
+//!   PATH without `fsync`, then waits for SIGTERM (or ignores it), for the data-safety tests
+//!   of every way of stopping (`guest-probe/write_wait.rs`).
 //!
 //! A trailing `--then-sleep` makes it wait for SIGTERM after the action (exit 0), so the
 //! app stays up until the host stops the VM. Exit status: 0 when the action's expectation
@@ -33,8 +36,7 @@
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::os::unix::process::CommandExt;
-use std::process::{Command, ExitCode, Stdio};
+use std::process::ExitCode;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -47,6 +49,14 @@ fn say(msg: std::fmt::Arguments<'_>) {
 macro_rules! say {
     ($($t:tt)*) => { say(format_args!($($t)*)) };
 }
+
+// The crate root looks for modules beside itself: point at this binary's own directory.
+#[path = "guest-probe/cid.rs"]
+mod cid;
+#[path = "guest-probe/write_wait.rs"]
+mod write_wait;
+#[path = "guest-probe/zombies.rs"]
+mod zombies;
 
 fn usage(msg: &str) -> ExitCode {
     eprintln!("guest-probe: usage error: {msg}");
@@ -224,72 +234,6 @@ fn serve_echo(path: &str) -> std::io::Result<()> {
     Ok(())
 }
 
-fn count_zombie_orphans() -> usize {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return usize::MAX;
-    };
-    dir.filter_map(|e| e.ok())
-        .filter(|e| {
-            e.file_name()
-                .to_string_lossy()
-                .bytes()
-                .all(|b| b.is_ascii_digit())
-        })
-        .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
-        .filter(|stat| {
-            // "pid (comm) S ppid ...": fields after the last ')'.
-            let rest = stat.rsplit(')').next().unwrap_or("");
-            let mut f = rest.split_whitespace();
-            f.next() == Some("Z") && f.next() == Some("1")
-        })
-        .count()
-}
-
-fn zombies(n: usize) -> bool {
-    // A child forks N grandchildren that exit at once, then exits itself: the grandchildren
-    // are re-parented to PID 1 and stay zombies until it reaps them.
-    // SAFETY: fork in a process whose other threads do nothing (none were started yet); the
-    // child calls only async-signal-safe functions (fork, _exit) before exiting.
-    let pid = unsafe { libc::fork() };
-    if pid == 0 {
-        for _ in 0..n {
-            // SAFETY: as above.
-            unsafe {
-                if libc::fork() == 0 {
-                    libc::_exit(0);
-                }
-            }
-        }
-        // Give the grandchildren time to exit so they are zombies when orphaned.
-        // SAFETY: usleep and _exit are async-signal-safe.
-        unsafe {
-            libc::usleep(200_000);
-            libc::_exit(0);
-        }
-    }
-    if pid < 0 {
-        say!("zombies fork failed");
-        return false;
-    }
-    let mut status = 0;
-    // SAFETY: waits for our own child.
-    unsafe { libc::waitpid(pid, &mut status, 0) };
-    say!("zombies made {n} orphans");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let left = count_zombie_orphans();
-        if left == 0 {
-            say!("zombies left 0 (all reaped by PID 1)");
-            return true;
-        }
-        if Instant::now() > deadline {
-            say!("zombies left {left} after 30 s");
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
 fn last_words(socket: &str, words: &str) -> bool {
     let present = |p: &str| {
         if std::path::Path::new(p).exists() {
@@ -352,92 +296,6 @@ fn vsock_probe(cid: u32, port: u32) -> bool {
     }
 }
 
-fn cid_test(relay: &str, port: u32, echo: &str, configs: &[(String, String)]) -> bool {
-    if let Err(e) = serve_echo(echo) {
-        say!("cid-test cannot serve echo at {echo}: {e}");
-        return false;
-    }
-    for (label, config) in configs {
-        let log_path = format!("/tmp/relay-{label}.log");
-        let log = match std::fs::File::create(&log_path) {
-            Ok(f) => f,
-            Err(e) => {
-                say!("cid-test {label}: cannot create {log_path}: {e}");
-                return false;
-            }
-        };
-        let err = log.try_clone().ok();
-        let mut cmd = Command::new(relay);
-        // SAFETY: runs in the forked child before exec and only calls sigprocmask-style
-        // functions on a local set, which are async-signal-safe. This probe blocks SIGTERM
-        // (it takes it with sigwait); the relay must not inherit that mask, or it could
-        // never be stopped.
-        unsafe {
-            cmd.pre_exec(|| {
-                let mut set: libc::sigset_t = std::mem::zeroed();
-                libc::sigemptyset(&mut set);
-                libc::sigaddset(&mut set, libc::SIGTERM);
-                libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
-                Ok(())
-            });
-        }
-        let mut child = match cmd
-            .args(["run", "--config", config])
-            .stdin(Stdio::null())
-            .stdout(Stdio::from(log))
-            .stderr(err.map(Stdio::from).unwrap_or_else(Stdio::null))
-            .spawn()
-        {
-            Ok(c) => c,
-            Err(e) => {
-                say!("cid-test {label}: cannot start {relay}: {e}");
-                return false;
-            }
-        };
-        // Wait until the relay accepts on the port (a connect to an unbound loopback port
-        // fails at once), then see what happens to our bytes.
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let outcome = loop {
-            match vsock_connect(1, port) {
-                Ok(mut s) => {
-                    let msg = format!("ping-{label}\n");
-                    break match exchange(&mut s, msg.as_bytes()) {
-                        Ok(Some(d)) if d == msg.as_bytes() => "admitted echo ok".to_string(),
-                        Ok(Some(d)) => format!("admitted but got {} unexpected bytes", d.len()),
-                        Ok(None) => "refused (closed without data)".to_string(),
-                        Err(e) => format!("error {e}"),
-                    };
-                }
-                Err(e) if Instant::now() > deadline => break format!("no listener: {e}"),
-                Err(_) => std::thread::sleep(Duration::from_millis(100)),
-            }
-            if let Ok(Some(st)) = child.try_wait() {
-                break format!("relay exited early: {st}");
-            }
-        };
-        say!("cid-test {label} {outcome}");
-        // SAFETY: kill(2) on our own unreaped child.
-        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while matches!(child.try_wait(), Ok(None)) {
-            if Instant::now() > deadline {
-                say!("cid-test {label}: relay ignored SIGTERM for 10 s; killing it");
-                let _ = child.kill();
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = child.wait();
-        for line in std::fs::read_to_string(&log_path)
-            .unwrap_or_default()
-            .lines()
-        {
-            say!("relay-{label}: {line}");
-        }
-    }
-    true
-}
-
 /// `SUBCOMMAND N --socket PATH --try USER:PASS` → (N, PATH, USER, PASS).
 fn count_socket_try(
     args: &[String],
@@ -457,7 +315,7 @@ fn main() -> ExitCode {
         args.pop();
     }
     let Some(cmd) = args.first().cloned() else {
-        return usage("no subcommand (signin, burst, signin-timed, serve-echo, zombies, last-words, vsock-connect, cid-test)");
+        return usage("no subcommand (signin, burst, signin-timed, serve-echo, zombies, last-words, vsock-connect, cid-test, write-and-wait)");
     };
     let opt = |name: &str| -> Option<String> {
         args.iter()
@@ -601,7 +459,7 @@ fn main() -> ExitCode {
             let Some(n) = args.get(1).and_then(|n| n.parse().ok()) else {
                 return usage("zombies N");
             };
-            zombies(n)
+            zombies::zombies(n)
         }
         "last-words" => {
             let (Some(socket), Some(words)) = (opt("--socket"), opt("--words")) else {
@@ -639,7 +497,19 @@ fn main() -> ExitCode {
                         .map(|(a, b)| (a.to_string(), b.to_string()))
                 })
                 .collect();
-            cid_test(&relay, port, &echo, &configs)
+            cid::cid_test(&relay, port, &echo, &configs)
+        }
+        "write-and-wait" => {
+            let (Some(path), Some(size)) = (args.get(1), args.get(2).and_then(|n| n.parse().ok()))
+            else {
+                return usage("write-and-wait PATH SIZE [--ignore-term]");
+            };
+            let ignore = args.iter().any(|a| a == "--ignore-term");
+            return if write_wait::run(path, size, ignore) {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            };
         }
         other => return usage(&format!("unknown subcommand {other:?}")),
     };
