@@ -16,6 +16,7 @@ fn bench() -> Command {
 
 #[test]
 fn smoke_run_prints_every_figure_and_writes_json() {
+    let _heavy = crate::support::heavy_lock();
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("bench-results.json");
     let out = bench()

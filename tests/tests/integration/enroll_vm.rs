@@ -12,7 +12,6 @@
 //! One VM per test binary run, under a process-wide lock like the other VM tests.
 
 use std::path::PathBuf;
-use std::sync::Mutex;
 use std::time::Duration;
 
 use e2e::enroll_service::EnrollService;
@@ -28,11 +27,9 @@ const APP_UID: u32 = 20001;
 const PROBE: &str = "/bin/guest-probe";
 const BOOTSTRAP: &str = "/etc/guest-init/bootstrap.json";
 
-static VM_LOCK: Mutex<()> = Mutex::new(());
-
 #[test]
 fn vm_enrolls_through_vsock_and_host_relay_before_the_app_starts() {
-    let _l = VM_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let _l = crate::support::heavy_lock();
     let cache = cache_dir();
     if !require(have_program("qemu-system-x86_64"), "qemu-system-x86_64")
         || !require(

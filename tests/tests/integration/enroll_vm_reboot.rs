@@ -58,7 +58,6 @@ use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use base64::Engine;
@@ -84,8 +83,6 @@ const TOKEN: &str = "tok_REBOOT_SECRET_0123456789abcdefghijklmnopqrstuv";
 
 /// Generous: boot-to-ready under TCG on this shared machine has been 7 to 20 s.
 const BOOT_TIMEOUT: Duration = Duration::from_secs(300);
-
-static VM_LOCK: Mutex<()> = Mutex::new(());
 
 /// An e2fsprogs tool: on `PATH` or in the usual sbin directories.
 fn e2fs_tool(name: &str) -> Option<PathBuf> {
@@ -381,7 +378,7 @@ fn assert_no_secrets(outputs: &[(&str, String)], key_der: &[u8]) {
 
 #[test]
 fn a_reboot_mid_enrollment_resumes_from_the_virtio_blk_disk_with_the_identical_csr() {
-    let _l = VM_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let _l = crate::support::heavy_lock();
     let Some(tools) = check_requirements() else {
         return;
     };

@@ -22,3 +22,4 @@ mod relay_radicale_chain;
 mod relay_undeclared_refused;
 mod vm_e2e;
 mod vm_radicale;
+mod vm_stop;

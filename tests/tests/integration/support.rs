@@ -11,6 +11,7 @@ use std::io::{BufRead, BufReader};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::MutexGuard;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -233,4 +234,13 @@ pub fn exchange(path: &Path, line: &str) -> std::io::Result<String> {
     let mut out = String::new();
     s.read_to_string(&mut out)?;
     Ok(out)
+}
+
+/// One machine-heavy test at a time in this binary: every VM (QEMU under TCG takes a whole
+/// core) and every burst. They were separate test binaries once, which cargo runs one
+/// after another; in one binary they would otherwise run side by side and starve each
+/// other's timeouts. Light tests still run in parallel.
+pub fn heavy_lock() -> MutexGuard<'static, ()> {
+    static HEAVY: Mutex<()> = Mutex::new(());
+    HEAVY.lock().unwrap_or_else(|e| e.into_inner())
 }

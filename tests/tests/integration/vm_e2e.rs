@@ -32,7 +32,6 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
-use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use e2e::dovecot::{Dovecot, DovecotOptions};
@@ -54,13 +53,6 @@ const AUTH_PATH: &str = "/var/run/dovecot/auth-client";
 const PROBE: &str = "/bin/guest-probe";
 /// How long an action inside the guest may take under TCG before the test fails.
 const GUEST_ACTION_TIMEOUT: Duration = Duration::from_secs(300);
-
-static VM_LOCK: Mutex<()> = Mutex::new(());
-
-/// One VM at a time, even if the test harness runs tests in parallel.
-fn vm_lock() -> MutexGuard<'static, ()> {
-    VM_LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// The binaries a VM test needs.
 struct Bins {
@@ -208,7 +200,7 @@ fn stop_clean(vm: &mut Vm) {
 // 1. Sign-in through a VM at the unchanged path.
 #[test]
 fn vm_signin_through_unchanged_path() {
-    let _l = vm_lock();
+    let _l = crate::support::heavy_lock();
     let Some(bins) = prerequisites(true) else {
         return;
     };
@@ -251,7 +243,7 @@ fn vm_signin_through_unchanged_path() {
 // 2. A burst of 200 concurrent sign-ins from inside the guest.
 #[test]
 fn vm_burst_of_200_signins() {
-    let _l = vm_lock();
+    let _l = crate::support::heavy_lock();
     let Some(bins) = prerequisites(true) else {
         return;
     };
@@ -281,7 +273,7 @@ fn vm_burst_of_200_signins() {
 // 3. Refusals: an undeclared port is refused and logged; an unlisted one reaches nothing.
 #[test]
 fn vm_undeclared_port_is_refused_and_logged() {
-    let _l = vm_lock();
+    let _l = crate::support::heavy_lock();
     let Some(bins) = prerequisites(true) else {
         return;
     };
@@ -340,7 +332,7 @@ fn vm_undeclared_port_is_refused_and_logged() {
 // 4. Host to guest through hybrid CONNECT.
 #[test]
 fn vm_host_reaches_guest_service() {
-    let _l = vm_lock();
+    let _l = crate::support::heavy_lock();
     let Some(bins) = prerequisites(false) else {
         return;
     };
@@ -399,7 +391,7 @@ fn vm_host_reaches_guest_service() {
 // 5. Clean stop: SIGTERM reaches the app, its last bytes reach the host, QEMU exits 0.
 #[test]
 fn vm_clean_stop_delivers_last_words() {
-    let _l = vm_lock();
+    let _l = crate::support::heavy_lock();
     let Some(bins) = prerequisites(false) else {
         return;
     };
@@ -476,7 +468,7 @@ fn vm_clean_stop_delivers_last_words() {
 // 6a. PID 1 reaps orphaned zombies in a real VM.
 #[test]
 fn vm_pid1_reaps_zombies() {
-    let _l = vm_lock();
+    let _l = crate::support::heavy_lock();
     let Some(bins) = prerequisites(false) else {
         return;
     };
@@ -498,7 +490,7 @@ fn vm_pid1_reaps_zombies() {
 // 6b. A fatal configuration error ends in a logged power-off, not a kernel panic.
 #[test]
 fn vm_fatal_config_error_powers_off() {
-    let _l = vm_lock();
+    let _l = crate::support::heavy_lock();
     let Some(bins) = prerequisites(false) else {
         return;
     };
@@ -526,7 +518,7 @@ fn vm_fatal_config_error_powers_off() {
 // 8. CID mode for real: the musl host-relay inside a guest over vsock_loopback.
 #[test]
 fn vm_cid_mode_admits_loopback_peer_and_refuses_others() {
-    let _l = vm_lock();
+    let _l = crate::support::heavy_lock();
     let Some(bins) = prerequisites(false) else {
         return;
     };
@@ -608,7 +600,7 @@ fn vm_cid_mode_admits_loopback_peer_and_refuses_others() {
 // behind.
 #[test]
 fn vm_harness_reports_a_failing_relay_and_cleans_up() {
-    let _l = vm_lock();
+    let _l = crate::support::heavy_lock();
     let Some(bins) = prerequisites(false) else {
         return;
     };

@@ -24,6 +24,7 @@ use e2e::util;
 
 #[test]
 fn radicale_in_a_vm_signs_in_through_the_relay_and_dovecot_never_sees_the_gateway() {
+    let _heavy = crate::support::heavy_lock();
     let req = Requirements::check();
     if !util::require(req.ok(), &req.missing.join(", ")) {
         return;
@@ -119,6 +120,7 @@ fn radicale_in_a_vm_signs_in_through_the_relay_and_dovecot_never_sees_the_gatewa
 /// path, the guest's Python, and storage owned by the `radicale` user only.
 #[test]
 fn radicale_root_disk_has_the_stock_dovecot_config_and_a_private_storage_dir() {
+    let _heavy = crate::support::heavy_lock();
     use e2e::radicale_rootfs::{self as r, RootfsOptions};
     let req = Requirements::check();
     let have_debugfs =

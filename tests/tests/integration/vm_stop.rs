@@ -34,7 +34,6 @@
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use e2e::util::{cache_dir, have_program, musl_bin, require};
@@ -51,12 +50,6 @@ const APP_UID: u32 = 20001;
 /// How long an orderly stop may take under TCG before QEMU is killed (and the test fails).
 const STOP_TIMEOUT: Duration = Duration::from_secs(90);
 const GUEST_ACTION_TIMEOUT: Duration = Duration::from_secs(300);
-
-static VM_LOCK: Mutex<()> = Mutex::new(());
-
-fn vm_lock() -> MutexGuard<'static, ()> {
-    VM_LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// How the test stops the VM.
 #[derive(Clone, Copy, Debug)]
@@ -215,7 +208,7 @@ fn assert_disk_holds_the_file(debugfs: &Path, dumpe2fs: &Path, disk: &Path) {
 }
 
 fn stop_case(case: Case) {
-    let _l = vm_lock();
+    let _l = crate::support::heavy_lock();
     let Some((debugfs, dumpe2fs)) = tools() else {
         return;
     };
