@@ -252,6 +252,16 @@ impl Config {
             c.listen
                 .validate()
                 .map_err(|r| ConfigError::invalid("control.listen", r))?;
+            if let Endpoint::Tcp(_) = c.listen {
+                // The control port admits only the host (vsock CID 2); on TCP nothing tells
+                // the host from the app, so every peer would be refused.
+                return Err(ConfigError::invalid(
+                    "control.listen",
+                    "a TCP control port would refuse every caller (only the host's vsock CID \
+                     is admitted); listen on vsock, e.g. {\"vsock\": {\"cid\": 4294967295, \"port\": 1024}}, \
+                     or on a Unix path for tests",
+                ));
+            }
             if let Endpoint::Vsock { port, .. } = c.listen {
                 if port == u32::MAX {
                     return Err(ConfigError::invalid(
@@ -413,5 +423,22 @@ mod tests {
             };
             assert!(n.parsed_address().is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_tcp_control_port_is_refused_because_it_would_admit_nobody() {
+        let mut c: Config = serde_json::from_value(serde_json::json!({
+            "version": 1,
+            "app": {"command": ["/bin/true"], "user": 0, "group": 0},
+            "control": {"listen": {"tcp": "127.0.0.1:1024"}}
+        }))
+        .unwrap();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.starts_with("control.listen: a TCP control port"), "{e}");
+        c.control = serde_json::from_value(
+            serde_json::json!({"listen": {"vsock": {"cid": 4294967295u32, "port": 1024}}}),
+        )
+        .unwrap();
+        c.validate().unwrap();
     }
 }
