@@ -10,7 +10,12 @@
 //!   only fail at boot with a kernel panic.
 //! - The configuration's `modules` list is expanded with [`crate::modules::ModuleDb`] into
 //!   the full load order, and each module file is copied to `/lib/modules/<name>.ko`
-//!   (the layout in `docs/CONTRACTS.md`). A missing module is an error naming it.
+//!   (the layout in `docs/CONTRACTS.md`), decompressed first if the kernel ships it as
+//!   `.ko.xz`, `.ko.zst` or `.ko.gz` ([`crate::decompress`]), so guest-init's plain
+//!   `finit_module` loads it on any kernel. A missing module is an error naming it; a
+//!   configured module that this kernel has built in is dropped and reported in
+//!   [`Initramfs::builtin`] (the same configuration serves kernels that build a driver in,
+//!   like 6.12's `virtio_pci`, and kernels that have it as a module, like 6.1's).
 //! - The compressed size is checked against the limit, with an error that gives both sizes
 //!   and the fix (a root disk for big apps).
 //!
@@ -26,6 +31,7 @@ use flate2::{Compression, GzBuilder};
 use serde_json::Value;
 
 use crate::cpio::{Archive, CpioError, Entry};
+use crate::decompress::{self, DecompressError};
 use crate::elf::{self, ElfError};
 use crate::modules::{Module, ModuleDb, ModuleError};
 
@@ -95,6 +101,9 @@ pub struct Initramfs {
     pub uncompressed_size: u64,
     /// The modules in load order, as written into the configuration.
     pub modules: Vec<Module>,
+    /// Configured modules left out because this kernel has them built in (a note for the
+    /// caller to show, not an error).
+    pub builtin: Vec<String>,
     /// The configuration as written into the image.
     pub config: Value,
 }
@@ -134,6 +143,9 @@ pub enum ImageError {
     /// A module could not be resolved.
     #[error(transparent)]
     Module(#[from] ModuleError),
+    /// A module file could not be decompressed.
+    #[error(transparent)]
+    Decompress(#[from] DecompressError),
     /// The archive's structure is wrong (duplicate or bad paths).
     #[error(transparent)]
     Archive(#[from] CpioError),
@@ -185,10 +197,12 @@ pub fn build(spec: &InitramfsSpec) -> Result<Initramfs, ImageError> {
     )?;
 
     let mut config = spec.config.clone();
-    let modules = expand_modules(&mut config, spec.kernel_modules.as_deref())?;
+    let (modules, builtin) = expand_modules(&mut config, spec.kernel_modules.as_deref())?;
     if let Some(dir) = &spec.kernel_modules {
         for m in &modules {
-            let data = read(&format!("module {}", m.name), &dir.join(&m.rel_path))?;
+            let file = dir.join(&m.rel_path);
+            let data = read(&format!("module {}", m.name), &file)?;
+            let data = decompress::module_bytes(&file.display().to_string(), data)?;
             archive.add(
                 &format!("{MODULE_DIR}/{}.ko", m.name),
                 Entry::File { mode: 0o644, data },
@@ -243,6 +257,7 @@ pub fn build(spec: &InitramfsSpec) -> Result<Initramfs, ImageError> {
         bytes,
         uncompressed_size: raw.len() as u64,
         modules,
+        builtin,
         config,
     })
 }
@@ -260,18 +275,19 @@ pub fn build_to(spec: &InitramfsSpec, out: &Path) -> Result<Initramfs, ImageErro
     Ok(img)
 }
 
-/// Replaces `config.modules` (names) with the full load order; returns it.
+/// Replaces `config.modules` (names) with the full load order; returns it and the
+/// configured names dropped as built in.
 fn expand_modules(
     config: &mut Value,
     kernel_modules: Option<&Path>,
-) -> Result<Vec<Module>, ImageError> {
+) -> Result<(Vec<Module>, Vec<String>), ImageError> {
     let Some(obj) = config.as_object_mut() else {
         return Err(ImageError::BadModulesField(
             "the configuration must be a JSON object".into(),
         ));
     };
     let Some(list) = obj.get("modules") else {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), Vec::new()));
     };
     let Some(arr) = list.as_array() else {
         return Err(ImageError::BadModulesField(
@@ -290,13 +306,14 @@ fn expand_modules(
         }
     }
     if names.is_empty() {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), Vec::new()));
     }
     let Some(dir) = kernel_modules else {
         return Err(ImageError::NoKernelModules(names.len()));
     };
     let db = ModuleDb::load(dir)?;
     let modules = db.resolve(&names)?;
+    let builtin = db.builtin_among(&names);
     obj.insert(
         "modules".into(),
         Value::Array(
@@ -306,7 +323,7 @@ fn expand_modules(
                 .collect(),
         ),
     );
-    Ok(modules)
+    Ok((modules, builtin))
 }
 
 #[cfg(test)]
@@ -335,8 +352,8 @@ mod tests {
         )
         .unwrap();
         std::fs::write(k.join("modules.builtin"), "kernel/fs/ext4.ko\n").unwrap();
-        std::fs::write(k.join("kernel/v/a.ko"), b"module a").unwrap();
-        std::fs::write(k.join("kernel/v/b.ko"), b"module b").unwrap();
+        std::fs::write(k.join("kernel/v/a.ko"), b"\x7fELF module a").unwrap();
+        std::fs::write(k.join("kernel/v/b.ko"), b"\x7fELF module b").unwrap();
         k
     }
 
@@ -361,6 +378,7 @@ mod tests {
         let two = build(&spec).unwrap();
         assert_eq!(one.bytes, two.bytes);
         assert_eq!(one.config["modules"], json!(["a", "b"]));
+        assert_eq!(one.builtin, ["ext4"]);
 
         // Unpack with the real cpio tool and check the layout.
         let out = tmp.path().join("x");
@@ -382,11 +400,11 @@ mod tests {
         assert!(child.wait().unwrap().success());
         assert_eq!(
             std::fs::read(out.join("lib/modules/a.ko")).unwrap(),
-            b"module a"
+            b"\x7fELF module a"
         );
         assert_eq!(
             std::fs::read(out.join("lib/modules/b.ko")).unwrap(),
-            b"module b"
+            b"\x7fELF module b"
         );
         assert_eq!(
             std::fs::read(out.join("app/bin/app")).unwrap(),
@@ -400,6 +418,127 @@ mod tests {
             std::fs::read(out.join("init")).unwrap(),
             std::fs::read(&init).unwrap()
         );
+    }
+
+    /// Compresses `data` with a real tool the way kernel builds do (`xz --check=crc32
+    /// --lzma2=dict=1MiB`, `zstd`), or `None` (skip, or fail under REQUIRE_ALL) without it.
+    fn compress_with(tool: &str, args: &[&str], data: &[u8]) -> Option<Vec<u8>> {
+        let spawned = std::process::Command::new(tool)
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn();
+        let Ok(mut child) = spawned else {
+            if std::env::var("REQUIRE_ALL").is_ok_and(|v| v == "1") {
+                panic!("`{tool}` is required for this test and missing (scripts/setup.sh)");
+            }
+            eprintln!("SKIPPED: `{tool}` is missing (scripts/setup.sh installs it)");
+            return None;
+        };
+        let mut stdin = child.stdin.take().unwrap();
+        let input = data.to_vec();
+        let writer = std::thread::spawn(move || stdin.write_all(&input));
+        let out = child.wait_with_output().unwrap();
+        writer.join().unwrap().unwrap();
+        assert!(out.status.success(), "{tool} failed");
+        Some(out.stdout)
+    }
+
+    /// A fake module: an ELF magic, then bytes that compress but not to nothing.
+    fn fake_module(tag: &str, len: usize) -> Vec<u8> {
+        let mut v = b"\x7fELF\x02\x01\x01".to_vec();
+        let mut x: u32 = 0x2545_f491;
+        while v.len() < len {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            v.extend_from_slice(tag.as_bytes());
+            v.push((x % 16) as u8);
+        }
+        v
+    }
+
+    #[test]
+    fn compressed_modules_are_stored_decompressed_and_builtins_dropped() {
+        let Some(init) = busybox() else { return };
+        let (a, b, c) = (
+            fake_module("xz-mod ", 200_000),
+            fake_module("zstd-mod ", 150_000),
+            fake_module("plain ", 1_000),
+        );
+        let Some(a_xz) = compress_with("xz", &["--check=crc32", "--lzma2=dict=1MiB", "-c"], &a)
+        else {
+            return;
+        };
+        let Some(b_zst) = compress_with("zstd", &["-q", "-19", "-c"], &b) else {
+            return;
+        };
+        assert!(a_xz.len() < a.len() / 2 && b_zst.len() < b.len() / 2);
+        let tmp = tempfile::tempdir().unwrap();
+        let k = tmp.path().join("lib/modules/6.12.0-test");
+        std::fs::create_dir_all(k.join("kernel/v")).unwrap();
+        // As 6.12 has it: virtio_pci built in, the rest compressed.
+        std::fs::write(
+            k.join("modules.dep"),
+            "kernel/v/b.ko.zst: kernel/v/a.ko.xz\nkernel/v/a.ko.xz:\nkernel/v/c.ko:\n",
+        )
+        .unwrap();
+        std::fs::write(
+            k.join("modules.builtin"),
+            "kernel/drivers/virtio/virtio_pci.ko\n",
+        )
+        .unwrap();
+        std::fs::write(k.join("kernel/v/a.ko.xz"), &a_xz).unwrap();
+        std::fs::write(k.join("kernel/v/b.ko.zst"), &b_zst).unwrap();
+        std::fs::write(k.join("kernel/v/c.ko"), &c).unwrap();
+        let mut spec = InitramfsSpec::new(&init, json!({"modules": ["virtio_pci", "b", "c"]}));
+        spec.kernel_modules = Some(k);
+        let t = std::time::Instant::now();
+        let one = build(&spec).unwrap();
+        eprintln!(
+            "built with 350 kB of compressed modules in {:?}",
+            t.elapsed()
+        );
+        assert_eq!(one.config["modules"], json!(["a", "b", "c"]));
+        assert_eq!(one.builtin, ["virtio_pci"]);
+        assert_eq!(build(&spec).unwrap().bytes, one.bytes, "not reproducible");
+
+        let out = tmp.path().join("x");
+        unpack(&one.bytes, &out);
+        assert!(std::fs::read(out.join("lib/modules/a.ko")).unwrap() == a);
+        assert!(std::fs::read(out.join("lib/modules/b.ko")).unwrap() == b);
+        assert!(std::fs::read(out.join("lib/modules/c.ko")).unwrap() == c);
+        assert!(!out.join("lib/modules/virtio_pci.ko").exists());
+        let names: Vec<_> = std::fs::read_dir(out.join("lib/modules"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        assert_eq!(names.len(), 3, "{names:?}");
+
+        // A damaged file is named, not loaded.
+        let bad = spec
+            .kernel_modules
+            .as_ref()
+            .unwrap()
+            .join("kernel/v/a.ko.xz");
+        std::fs::write(&bad, &a_xz[..a_xz.len() / 2]).unwrap();
+        let msg = build(&spec).unwrap_err().to_string();
+        assert!(msg.contains("a.ko.xz") && msg.contains("corrupt"), "{msg}");
+    }
+
+    /// Gunzips `bytes` and unpacks the cpio archive into `out` with GNU cpio.
+    fn unpack(bytes: &[u8], out: &Path) {
+        std::fs::create_dir(out).unwrap();
+        let mut raw = Vec::new();
+        std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(bytes), &mut raw).unwrap();
+        let mut child = std::process::Command::new("cpio")
+            .args(["-i", "-d", "--quiet"])
+            .current_dir(out)
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child.stdin.take().unwrap().write_all(&raw).unwrap();
+        assert!(child.wait().unwrap().success());
     }
 
     #[test]
