@@ -79,7 +79,8 @@ pub struct VmSpec {
     pub name: String,
     /// Directory for sockets, logs and the built image. Default: a fresh `/tmp/qh-...`.
     pub run_dir: PathBuf,
-    /// The guest kernel; default: `<cache>/kernel/current`.
+    /// The guest kernel; default: [`Kernel::from_cache`] (`$MICROVM_KERNEL`, else
+    /// `<cache>/kernel/current`). Pick one with [`Kernel::by_version`].
     pub kernel: Option<Kernel>,
     /// The image.
     pub image: Image,
