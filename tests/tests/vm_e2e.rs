@@ -382,9 +382,32 @@ fn vm_host_reaches_guest_service() {
                 .collect();
             let mut writer = s.try_clone().unwrap();
             let to_send = payload.clone();
-            let t = std::thread::spawn(move || writer.write_all(&to_send));
-            let mut got = vec![0u8; len];
-            s.read_exact(&mut got).expect("echo comes back");
+            let sent = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let sent_w = sent.clone();
+            let t = std::thread::spawn(move || {
+                for chunk in to_send.chunks(4096) {
+                    writer.write_all(chunk)?;
+                    sent_w.fetch_add(chunk.len(), std::sync::atomic::Ordering::SeqCst);
+                }
+                Ok::<(), std::io::Error>(())
+            });
+            let mut got = Vec::with_capacity(len);
+            let mut buf = vec![0u8; 65536];
+            while got.len() < len {
+                match s.read(&mut buf[..(len - got.len()).min(65536)]) {
+                    Ok(0) => panic!(
+                        "round {round}: the echo connection closed after {} of {len} bytes",
+                        got.len()
+                    ),
+                    Ok(n) => got.extend_from_slice(&buf[..n]),
+                    Err(e) => panic!(
+                        "round {round}: {} of {len} bytes came back and {} of {len} were \
+                         sent when reading stopped: {e}",
+                        got.len(),
+                        sent.load(std::sync::atomic::Ordering::SeqCst)
+                    ),
+                }
+            }
             t.join().unwrap().unwrap();
             assert!(
                 got == payload,
