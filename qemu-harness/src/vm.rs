@@ -307,7 +307,12 @@ impl Vm {
                 let out = vm.spec.run_dir.join("initrd.cpio.gz");
                 let img = initramfs::build_to(&s, &out)?;
                 let mods = img.modules.len();
-                (out, format!("built, {mods} modules"))
+                // Configured modules this kernel has built in: a note, not an error.
+                let note = match img.builtin.as_slice() {
+                    [] => String::new(),
+                    b => format!("; built into this kernel, left out: {}", b.join(" ")),
+                };
+                (out, format!("built, {mods} modules{note}"))
             }
         };
         vm.image_size = std::fs::metadata(&path)

@@ -101,7 +101,7 @@ fn run() -> anyhow::Result<bool> {
     let kernel = match kernel_arg()? {
         Some(v) => Some(
             qemu_harness::Kernel::by_version(&e2e::util::cache_dir(), v.trim())
-                .context("--kernel")?,
+                .context("--kernel / MICROVM_KERNEL")?,
         ),
         None => None,
     };
