@@ -70,7 +70,7 @@ fetch_kernel() { # metapackage; prints the release
     cp "$tmp/x/boot/vmlinuz-$kver" "$kdir/vmlinuz"
     mkdir -p "$kdir/modules/lib"
     mv "$tmp/x/lib/modules" "$kdir/modules/lib/modules"
-    depmod -b "$kdir/modules" "$kver"
+    depmod -b "$kdir/modules" "$kver" >&2
     rm -rf "$tmp"
   fi
   echo "$kver"
