@@ -9,6 +9,9 @@
 # Steps: scripts/setup.sh (apt packages, musl target, vhost-device-vsock, guest kernel,
 # Radicale venv), the static musl guest-init and host-relay, the demo program, then the demo
 # itself (it builds and caches the Radicale root disk on first use). Run as root.
+#
+# The guest kernel: `bash scripts/demo.sh --kernel 6.12` (or MICROVM_KERNEL=6.12); setup
+# installs Debian's 6.1 (the default) and 6.12 cloud kernels.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -31,4 +34,4 @@ cargo build --quiet -p e2e-tests --bin demo
 say "setup and builds took $(( $(date +%s) - t0 )) s; starting the demo"
 export GUEST_INIT_MUSL=${GUEST_INIT_MUSL:-$TARGET/x86_64-unknown-linux-musl/release/guest-init}
 export HOST_RELAY_MUSL=${HOST_RELAY_MUSL:-$TARGET/x86_64-unknown-linux-musl/release/host-relay}
-exec "$TARGET/debug/demo"
+exec "$TARGET/debug/demo" "$@"

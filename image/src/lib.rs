@@ -5,7 +5,8 @@
 //! - an **initramfs** ([`initramfs`]): a gzip-compressed newc cpio archive ([`cpio`]) with
 //!   the static `guest-init` as `/init` ([`elf`] checks it is static), its configuration,
 //!   and the kernel modules the configuration lists, expanded in dependency order from the
-//!   guest kernel's `modules.dep` ([`modules`]);
+//!   guest kernel's `modules.dep` ([`modules`]) and decompressed when the kernel ships
+//!   them as `.ko.xz`, `.ko.zst` or `.ko.gz` ([`decompress`]);
 //! - an optional **ext4 root disk** ([`rootdisk`]) made from a directory without root
 //!   privileges, for apps too big for an initramfs.
 //!
@@ -15,6 +16,7 @@
 //! `docs/IMAGE.md` describes the builder and its command line.
 
 pub mod cpio;
+pub mod decompress;
 pub mod elf;
 pub mod initramfs;
 pub mod modules;

@@ -107,6 +107,9 @@ fn main() -> Result<()> {
                 spec.files.push(parse_file(f)?);
             }
             let img = initramfs::build_to(&spec, &output)?;
+            for name in &img.builtin {
+                eprintln!("note: module {name:?} is built into this kernel; left out of the image");
+            }
             println!(
                 "{}: {} bytes compressed, {} uncompressed, modules: {}",
                 output.display(),
@@ -144,6 +147,9 @@ fn main() -> Result<()> {
             let db = modules::ModuleDb::load(&kernel_modules)?;
             for m in db.resolve(&names)? {
                 println!("{}\t{}", m.name, m.rel_path);
+            }
+            for name in db.builtin_among(&names) {
+                eprintln!("note: module {name:?} is built into this kernel");
             }
         }
     }

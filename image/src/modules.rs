@@ -15,6 +15,10 @@
 //! the last to the first and emitting each module after its dependencies, once. The result
 //! is deterministic and independent of the order of lines in the file.
 //!
+//! A module's file may be plain (`.ko`) or compressed (`.ko.xz`, `.ko.zst`, `.ko.gz`),
+//! as distributions ship them; [`crate::decompress`] unpacks it when the image is built.
+//! Any other ending is an error naming the file and the formats accepted.
+//!
 //! Module names are compared with `-` and `_` treated as the same, as the kernel does.
 //! A name that `modules.builtin` lists is built into the kernel: it needs no file and is
 //! dropped from the load order. A name found in neither is an error naming the module and
@@ -27,6 +31,8 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
+
+use crate::decompress::{Format, ACCEPTED};
 
 /// One module to load.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -68,16 +74,19 @@ pub enum ModuleError {
         /// 1-based line number.
         line: usize,
     },
-    /// Compressed modules are not supported by guest-init's loader.
+    /// A module file in a compression format the builder cannot unpack.
     #[error(
-        "kernel module {name:?} is compressed ({rel_path}); guest-init loads only plain .ko \
-         files: decompress the kernel's modules and rerun depmod"
+        "kernel module {name:?} is {rel_path}, a format the image builder cannot unpack \
+         (it takes {accepted}); recompress the kernel's modules with xz or zstd, or \
+         decompress them, and rerun depmod"
     )]
-    Compressed {
+    UnknownFormat {
         /// The module.
         name: String,
         /// Its file.
         rel_path: String,
+        /// The endings accepted.
+        accepted: &'static str,
     },
 }
 
@@ -158,6 +167,21 @@ impl ModuleDb {
         self.builtin.contains(&canonical(name))
     }
 
+    /// The names among `names` that are built into the kernel and have no module file, in
+    /// canonical form, each once: [`Self::resolve`] drops them from the load order, and
+    /// the builder reports them as a note (a configuration written for a kernel that has
+    /// them as modules is valid for one that builds them in, such as `virtio_pci` in 6.12).
+    pub fn builtin_among<S: AsRef<str>>(&self, names: &[S]) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        for n in names {
+            let n = canonical(n.as_ref());
+            if !self.deps.contains_key(&n) && self.builtin.contains(&n) && !out.contains(&n) {
+                out.push(n);
+            }
+        }
+        out
+    }
+
     /// Expands `names` into the full load order: each module after its dependencies, each
     /// once, built-in modules left out. The configured order is kept where dependencies
     /// allow it.
@@ -190,10 +214,11 @@ impl ModuleDb {
                 dir: self.dir.display().to_string(),
             });
         };
-        if !file.ends_with(".ko") {
-            return Err(ModuleError::Compressed {
+        if Format::of(file).is_none() {
+            return Err(ModuleError::UnknownFormat {
                 name,
                 rel_path: file.clone(),
+                accepted: ACCEPTED,
             });
         }
         // Dependencies to load first are at the end of the list.
@@ -221,7 +246,9 @@ kernel/drivers/virtio/virtio_ring.ko:
 kernel/net/vmw_vsock/vsock.ko:
 kernel/net/vmw_vsock/vmw_vsock_virtio_transport.ko: kernel/net/vmw_vsock/vmw_vsock_virtio_transport_common.ko kernel/net/vmw_vsock/vsock.ko kernel/drivers/virtio/virtio.ko kernel/drivers/virtio/virtio_ring.ko
 kernel/net/vmw_vsock/vmw_vsock_virtio_transport_common.ko: kernel/net/vmw_vsock/vsock.ko
-kernel/fs/zz/comp.ko.xz:
+kernel/fs/zz/comp.ko.xz: kernel/fs/zz/zdep.ko.zst
+kernel/fs/zz/zdep.ko.zst:
+kernel/fs/zz/old.ko.bz2:
 ";
 
     fn db() -> ModuleDb {
@@ -286,9 +313,27 @@ kernel/fs/zz/comp.ko.xz:
     }
 
     #[test]
-    fn compressed_modules_are_refused_clearly() {
-        let err = db().resolve(&["comp"]).unwrap_err();
-        assert!(matches!(err, ModuleError::Compressed { .. }), "{err}");
+    fn compressed_modules_resolve_and_unknown_formats_are_refused_clearly() {
+        let m = db().resolve(&["comp"]).unwrap();
+        assert_eq!(names(&m), ["zdep", "comp"]);
+        assert_eq!(m[1].rel_path, "kernel/fs/zz/comp.ko.xz");
+        assert_eq!(m[0].rel_path, "kernel/fs/zz/zdep.ko.zst");
+        let err = db().resolve(&["old"]).unwrap_err();
+        assert!(matches!(err, ModuleError::UnknownFormat { .. }), "{err}");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("old.ko.bz2") && msg.contains(".ko.zst"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn builtins_among_the_configured_names_are_listed_once() {
+        let d = db();
+        assert_eq!(
+            d.builtin_among(&["virtio_pci", "ext4", "vsock", "ext4"]),
+            ["ext4"]
+        );
     }
 
     #[test]

@@ -35,7 +35,7 @@ enum Cmd {
         #[arg(long, default_value_t = 1024)]
         port: u32,
     },
-    /// Print the cached guest kernel.
+    /// Print the cached guest kernels and the default one.
     Kernel,
 }
 
@@ -65,6 +65,10 @@ struct BootArgs {
     /// The host-relay binary (for --relay).
     #[arg(long)]
     relay_bin: Option<PathBuf>,
+    /// Guest kernel by version or prefix (`6.12`); default `$MICROVM_KERNEL`, else the
+    /// cache's `current`.
+    #[arg(long)]
+    kernel: Option<String>,
     /// Run directory (default: a fresh /tmp/qh-...). Relay configs can refer to
     /// `<run-dir>/vm.vsock`.
     #[arg(long)]
@@ -105,10 +109,12 @@ fn install_signal_handlers() {
 fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Kernel => {
-            let k = kernel::Kernel::from_cache(&kernel::cache_dir())?;
+            let cache = kernel::cache_dir();
+            let k = kernel::Kernel::from_cache(&cache)?;
             println!("version  {}", k.version);
             println!("vmlinuz  {}", k.vmlinuz.display());
             println!("modules  {}", k.modules_dir.display());
+            println!("installed {}", kernel::installed(&cache).join(" "));
         }
         Cmd::Stop { uds, port } => {
             let mut s = qemu_harness::hybrid::connect(&uds, port, Duration::from_secs(30))
@@ -130,6 +136,7 @@ fn main() -> Result<()> {
                 disks,
                 relays,
                 relay_bin,
+                kernel: kernel_version,
                 run_dir,
                 memory,
                 cpus,
@@ -160,6 +167,9 @@ fn main() -> Result<()> {
                 _ => bail!("give --initrd FILE, or --init GUEST_INIT --config CONFIG.json"),
             };
             let mut spec = VmSpec::new(&name, image);
+            if let Some(v) = kernel_version {
+                spec.kernel = Some(kernel::Kernel::by_version(&kernel::cache_dir(), &v)?);
+            }
             if let Some(d) = run_dir {
                 spec.run_dir = d;
             }

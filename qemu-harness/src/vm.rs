@@ -76,7 +76,8 @@ pub struct VmSpec {
     pub name: String,
     /// Directory for sockets, logs and the built image. Default: a fresh `/tmp/qh-...`.
     pub run_dir: PathBuf,
-    /// The guest kernel; default: `<cache>/kernel/current`.
+    /// The guest kernel; default: [`Kernel::from_cache`] (`$MICROVM_KERNEL`, else
+    /// `<cache>/kernel/current`). Pick one with [`Kernel::by_version`].
     pub kernel: Option<Kernel>,
     /// The image.
     pub image: Image,
@@ -266,7 +267,12 @@ impl Vm {
                 let out = vm.spec.run_dir.join("initrd.cpio.gz");
                 let img = initramfs::build_to(&s, &out)?;
                 let mods = img.modules.len();
-                (out, format!("built, {mods} modules"))
+                // Configured modules this kernel has built in: a note, not an error.
+                let note = match img.builtin.as_slice() {
+                    [] => String::new(),
+                    b => format!("; built into this kernel, left out: {}", b.join(" ")),
+                };
+                (out, format!("built, {mods} modules{note}"))
             }
         };
         vm.image_size = std::fs::metadata(&path)

@@ -190,11 +190,8 @@ impl Requirements {
         if !crate::util::have_program("qemu-system-x86_64") {
             missing.push("qemu-system-x86_64 (apt-get install qemu-system-x86)".into());
         }
-        if !cache.join("kernel/current/vmlinuz").exists() {
-            missing.push(format!(
-                "the guest kernel {}",
-                cache.join("kernel/current/vmlinuz").display()
-            ));
+        if let Err(e) = qemu_harness::Kernel::from_cache(&cache) {
+            missing.push(format!("the guest kernel ({e})"));
         }
         if !cache.join("tools/bin/vhost-device-vsock").exists() {
             missing.push(format!(
@@ -257,6 +254,8 @@ pub struct Options {
     pub progress: bool,
     /// How long Radicale may take to answer HTTP after guest-init's ready line.
     pub http_timeout: Duration,
+    /// The guest kernel; default: the harness's (`$MICROVM_KERNEL`, else `current`).
+    pub kernel: Option<qemu_harness::Kernel>,
 }
 
 impl Default for Options {
@@ -266,6 +265,7 @@ impl Default for Options {
             memory_mib: 512,
             progress: true,
             http_timeout: Duration::from_secs(180),
+            kernel: None,
         }
     }
 }
@@ -373,6 +373,7 @@ impl Scenario {
         ispec.max_size = vm_image::initramfs::DEFAULT_MAX_SIZE;
         let mut spec =
             qemu_harness::VmSpec::new("radicale", qemu_harness::Image::Initramfs(Box::new(ispec)));
+        spec.kernel = opts.kernel.clone();
         spec.memory_mib = opts.memory_mib;
         spec.progress = opts.progress;
         spec.disks = vec![(disk, false)];
@@ -485,8 +486,8 @@ fn harness_phase_detail(
                 .unwrap_or_default()
         ),
         "image" => format!(
-            "initramfs {} KiB: static guest-init as /init, its config, {} module names expanded \
-             from modules.dep",
+            "initramfs {} KiB: static guest-init as /init, its config, {} configured module names \
+             expanded from modules.dep (built-ins dropped)",
             vm.image_size() >> 10,
             guest_modules().len()
         ),

@@ -5,6 +5,11 @@
 //! silently passes. `scripts/test.sh` sets `REQUIRE_ALL=1`, under which [`require`] fails
 //! the test with the missing part's name; run by hand without it, the test prints
 //! `SKIPPED: <why>` and returns.
+//!
+//! The VM tests run on every guest kernel [`test_kernels`] names (by default each one
+//! `scripts/setup.sh` installed: Debian's 6.1 and 6.12 cloud kernels), one after the
+//! other, through [`on_each_kernel`], which runs the test body on every kernel even when
+//! one fails and then fails naming the kernels that did.
 
 use std::path::{Path, PathBuf};
 
@@ -125,4 +130,74 @@ pub fn stop_child(child: &mut std::process::Child, grace: std::time::Duration) {
     }
     let _ = child.kill();
     let _ = child.wait();
+}
+
+/// The kernel lines `scripts/setup.sh` installs; under `REQUIRE_ALL=1` the VM tests fail if
+/// one is missing, so the matrix cannot shrink silently.
+pub const SETUP_KERNELS: &[&str] = &["6.1", "6.12"];
+
+/// The guest kernels the VM tests run on: the versions (or prefixes such as `6.12`) in
+/// `$MICROVM_KERNELS` (separated by commas or spaces), else every kernel installed under
+/// `<cache>/kernel/`. Returns `None` when a kernel is missing (the test fails under
+/// `REQUIRE_ALL=1`, else it is skipped).
+pub fn test_kernels() -> Option<Vec<qemu_harness::Kernel>> {
+    use qemu_harness::kernel::{installed, Kernel};
+    let cache = cache_dir();
+    let wanted: Vec<String> = match std::env::var("MICROVM_KERNELS") {
+        Ok(v) if !v.trim().is_empty() => v
+            .split([',', ' '])
+            .filter(|s| !s.is_empty())
+            .map(str::to_string)
+            .collect(),
+        _ => {
+            let all = installed(&cache);
+            for line in SETUP_KERNELS {
+                let have = Kernel::by_version(&cache, line).is_ok();
+                if !require(have, &format!("the guest kernel {line} (in {:?})", all)) {
+                    return None;
+                }
+            }
+            all
+        }
+    };
+    let mut out = Vec::new();
+    for v in &wanted {
+        match Kernel::by_version(&cache, v) {
+            Ok(k) => out.push(k),
+            Err(e) => {
+                require(false, &format!("MICROVM_KERNELS: {e}"));
+                return None;
+            }
+        }
+    }
+    Some(out)
+}
+
+/// Runs `body` once per kernel, in order, printing which one; a failure on one kernel does
+/// not stop the others, and afterwards the test fails naming every kernel that failed.
+pub fn on_each_kernel(
+    kernels: &[qemu_harness::Kernel],
+    mut body: impl FnMut(&qemu_harness::Kernel),
+) {
+    assert!(!kernels.is_empty(), "no guest kernel to run on");
+    let mut failed = Vec::new();
+    for k in kernels {
+        eprintln!("== kernel {} ==", k.version);
+        let t = std::time::Instant::now();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(k)));
+        eprintln!(
+            "== kernel {}: {} in {:.1} s ==",
+            k.version,
+            if r.is_ok() { "passed" } else { "FAILED" },
+            t.elapsed().as_secs_f64()
+        );
+        if r.is_err() {
+            failed.push(k.version.clone());
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "failed on kernel(s): {}",
+        failed.join(", ")
+    );
 }

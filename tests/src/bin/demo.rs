@@ -10,6 +10,9 @@
 //! The scenario itself is [`e2e::radicale_vm`], shared with VM test 9, so what the demo
 //! shows is what CI checks. The exit status is 0 only when every expectation held: right
 //! password 2xx, wrong 401, no gateway address at Dovecot, a clean stop.
+//!
+//! The guest kernel is a parameter: `demo --kernel VERSION` (or `MICROVM_KERNEL=VERSION`),
+//! a full release or a prefix such as `6.12`; by default the cache's `current` (6.1).
 
 use std::process::ExitCode;
 use std::time::Instant;
@@ -70,8 +73,38 @@ fn show(label: &str, lines: &[String]) {
     }
 }
 
+/// `--kernel VERSION` / `--kernel=VERSION` from the command line, else `$MICROVM_KERNEL`.
+fn kernel_arg() -> anyhow::Result<Option<String>> {
+    let mut args = std::env::args().skip(1);
+    let mut version = None;
+    while let Some(a) = args.next() {
+        if a == "--kernel" {
+            let v = args
+                .next()
+                .context("--kernel needs a version, e.g. --kernel 6.12")?;
+            version = Some(v);
+        } else if let Some(v) = a.strip_prefix("--kernel=") {
+            version = Some(v.to_string());
+        } else {
+            bail!("unknown argument {a:?}; usage: demo [--kernel VERSION]");
+        }
+    }
+    Ok(version.or_else(|| {
+        std::env::var(qemu_harness::kernel::KERNEL_ENV)
+            .ok()
+            .filter(|v| !v.trim().is_empty())
+    }))
+}
+
 fn run() -> anyhow::Result<bool> {
     let t0 = Instant::now();
+    let kernel = match kernel_arg()? {
+        Some(v) => Some(
+            qemu_harness::Kernel::by_version(&e2e::util::cache_dir(), v.trim())
+                .context("--kernel / MICROVM_KERNEL")?,
+        ),
+        None => None,
+    };
     println!("== Radicale in a micro-VM: one sign-in through the whole path ==");
     for l in PATH {
         println!("{l}");
@@ -98,6 +131,7 @@ fn run() -> anyhow::Result<bool> {
     };
     let opts = Options {
         progress: false,
+        kernel,
         ..Options::default()
     };
     let mut sc = Scenario::start(&opts, &mut print_phase).context("starting the scenario")?;

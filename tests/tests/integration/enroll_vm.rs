@@ -15,7 +15,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use e2e::enroll_service::EnrollService;
-use e2e::util::{cache_dir, have_program, host_bin, musl_bin, require};
+use e2e::util::{
+    cache_dir, have_program, host_bin, musl_bin, on_each_kernel, require, test_kernels,
+};
 use guest_init::enroll::identity::Identity;
 use qemu_harness::{Image, RelaySpec, Vm, VmSpec};
 use serde_json::json;
@@ -33,123 +35,124 @@ fn vm_enrolls_through_vsock_and_host_relay_before_the_app_starts() {
     let cache = cache_dir();
     if !require(have_program("qemu-system-x86_64"), "qemu-system-x86_64")
         || !require(
-            cache.join("kernel/current/vmlinuz").is_file(),
-            "the guest kernel (.cache/kernel/current/vmlinuz)",
-        )
-        || !require(
             cache.join("tools/bin/vhost-device-vsock").is_file(),
             "vhost-device-vsock (.cache/tools/bin)",
         )
     {
         return;
     }
+    let Some(kernels) = test_kernels() else {
+        return;
+    };
     let guest_init = musl_bin("guest-init");
     let probe = musl_bin("guest-probe");
+    on_each_kernel(&kernels, |kernel| {
+        let svc = EnrollService::start().unwrap();
+        let svc_dir = tempfile::tempdir().unwrap();
+        let svc_sock: PathBuf = svc_dir.path().join("svc-vm-1.sock");
+        svc.listen_vm("vm-1", &svc_sock).unwrap();
+        let id = Identity {
+            workspace_namespace: "team-a".into(),
+            workspace_name: "ws1".into(),
+            workspace_uid: "0b4c5e2a-1111-2222-3333-444455556666".into(),
+            vm_uid: "vm-1".into(),
+            epoch: u64::MAX,
+        };
+        let token = "tok_VM_SECRET_0123456789abcdefghijklmnopqrstuv";
+        let expires = svc
+            .register(token, &id, Duration::from_secs(15 * 60))
+            .unwrap();
+        let material = json!({
+            "version": 1,
+            "workspace_namespace": id.workspace_namespace,
+            "workspace_name": id.workspace_name,
+            "workspace_uid": id.workspace_uid,
+            "vm_uid": id.vm_uid,
+            "revocation_epoch": id.epoch,
+            "token": token,
+            "expires_at": expires,
+            "enrollment_port": ENROLL_PORT,
+        });
 
-    let svc = EnrollService::start().unwrap();
-    let svc_dir = tempfile::tempdir().unwrap();
-    let svc_sock: PathBuf = svc_dir.path().join("svc-vm-1.sock");
-    svc.listen_vm("vm-1", &svc_sock).unwrap();
-    let id = Identity {
-        workspace_namespace: "team-a".into(),
-        workspace_name: "ws1".into(),
-        workspace_uid: "0b4c5e2a-1111-2222-3333-444455556666".into(),
-        vm_uid: "vm-1".into(),
-        epoch: u64::MAX,
-    };
-    let token = "tok_VM_SECRET_0123456789abcdefghijklmnopqrstuv";
-    let expires = svc
-        .register(token, &id, Duration::from_secs(15 * 60))
-        .unwrap();
-    let material = json!({
-        "version": 1,
-        "workspace_namespace": id.workspace_namespace,
-        "workspace_name": id.workspace_name,
-        "workspace_uid": id.workspace_uid,
-        "vm_uid": id.vm_uid,
-        "revocation_epoch": id.epoch,
-        "token": token,
-        "expires_at": expires,
-        "enrollment_port": ENROLL_PORT,
-    });
+        let config = json!({
+            "version": 1,
+            "hostname": "vm-enroll",
+            "log_level": "debug",
+            "modules": vm_image::VSOCK_MODULES,
+            "app": {
+                "command": [PROBE, "zombies", "0", "--then-sleep"],
+                "user": APP_UID,
+                "group": APP_UID,
+                "workdir": "/tmp"
+            },
+            "control": { "listen": { "vsock": { "cid": u32::MAX, "port": CONTROL_PORT } } },
+            "shutdown": { "grace_period_ms": 5000 },
+            "enrollment": {
+                "bootstrap": { "file": BOOTSTRAP },
+                "retry": { "initial_ms": 200, "max_ms": 2000, "max_attempts": 30 }
+            }
+        });
+        let mut spec = InitramfsSpec::new(&guest_init, config);
+        spec.files.push(ExtraFile {
+            guest_path: PROBE.into(),
+            source: Source::Host(probe.clone()),
+            mode: 0o755,
+        });
+        spec.files.push(ExtraFile {
+            guest_path: BOOTSTRAP.into(),
+            source: Source::Bytes(material.to_string().into_bytes()),
+            mode: 0o600,
+        });
+        let mut vm_spec = VmSpec::new("enroll", Image::Initramfs(Box::new(spec)));
+        vm_spec.kernel = Some(kernel.clone());
+        vm_spec.relay_bin = Some(host_bin("host-relay"));
+        vm_spec.relays.push(RelaySpec {
+            name: "enroll".into(),
+            config: json!({
+                "app": "app-a",
+                "vm": { "id": "vm-1" },
+                "transport": { "per_vm_socket": { "vsock_uds": vm_spec.vsock_uds() } },
+                "services": [{
+                    "name": "enrollment",
+                    "port": ENROLL_PORT,
+                    "upstream": { "unix": svc_sock },
+                }],
+            }),
+            wait_for: vec![vm_spec.port_socket(ENROLL_PORT)],
+        });
 
-    let config = json!({
-        "version": 1,
-        "hostname": "vm-enroll",
-        "log_level": "debug",
-        "modules": vm_image::VSOCK_MODULES,
-        "app": {
-            "command": [PROBE, "zombies", "0", "--then-sleep"],
-            "user": APP_UID,
-            "group": APP_UID,
-            "workdir": "/tmp"
-        },
-        "control": { "listen": { "vsock": { "cid": u32::MAX, "port": CONTROL_PORT } } },
-        "shutdown": { "grace_period_ms": 5000 },
-        "enrollment": {
-            "bootstrap": { "file": BOOTSTRAP },
-            "retry": { "initial_ms": 200, "max_ms": 2000, "max_attempts": 30 }
+        let mut vm = Vm::boot(vm_spec).expect("boot");
+        let ready = vm.wait_ready();
+        let console = vm.console();
+        assert!(ready.is_ok(), "no ready line: {ready:?}\n{console}");
+
+        // Enrolled, then the app: the enrollment lines come before the ready line.
+        let enrolled = console
+            .find("guest-init: enroll: enrolled ")
+            .unwrap_or_else(|| panic!("no enrollment line:\n{console}"));
+        let ready_at = console.find(qemu_harness::vm::READY_MARK).unwrap();
+        assert!(
+            enrolled < ready_at,
+            "the app started before enrollment:\n{console}"
+        );
+        assert!(console.contains(&id.uri()), "{console}");
+
+        // The service saw exactly this VM (from the socket the relay used) and committed.
+        let reqs = svc.requests();
+        assert_eq!(reqs.len(), 1, "{reqs:?}");
+        assert_eq!(reqs[0].vm_uid, "vm-1");
+        assert!(reqs[0].code.is_none(), "{reqs:?}");
+        assert!(svc.committed_cert(token).is_some());
+
+        // Secrets: the token never reaches the console or the relay's log (debug logging on).
+        assert!(!console.contains(token), "token on the console:\n{console}");
+        assert!(!vm.relay_log("enroll").contains(token));
+
+        let report = vm.stop().expect("stop");
+        assert!(report.clean(), "{report:?}\n{}", vm.console());
+        let console = vm.console();
+        for bad in ["Kernel panic", "Attempted to kill init"] {
+            assert!(!console.contains(bad), "{bad}:\n{console}");
         }
     });
-    let mut spec = InitramfsSpec::new(&guest_init, config);
-    spec.files.push(ExtraFile {
-        guest_path: PROBE.into(),
-        source: Source::Host(probe),
-        mode: 0o755,
-    });
-    spec.files.push(ExtraFile {
-        guest_path: BOOTSTRAP.into(),
-        source: Source::Bytes(material.to_string().into_bytes()),
-        mode: 0o600,
-    });
-    let mut vm_spec = VmSpec::new("enroll", Image::Initramfs(Box::new(spec)));
-    vm_spec.relay_bin = Some(host_bin("host-relay"));
-    vm_spec.relays.push(RelaySpec {
-        name: "enroll".into(),
-        config: json!({
-            "app": "app-a",
-            "vm": {"id": "vm-1"},
-            "transport": {"per_vm_socket": {"vsock_uds": vm_spec.vsock_uds()}},
-            "services": [{
-                "name": "enrollment",
-                "port": ENROLL_PORT,
-                "upstream": { "unix": svc_sock },
-            }],
-        }),
-        wait_for: vec![vm_spec.port_socket(ENROLL_PORT)],
-    });
-
-    let mut vm = Vm::boot(vm_spec).expect("boot");
-    let ready = vm.wait_ready();
-    let console = vm.console();
-    assert!(ready.is_ok(), "no ready line: {ready:?}\n{console}");
-
-    // Enrolled, then the app: the enrollment lines come before the ready line.
-    let enrolled = console
-        .find("guest-init: enroll: enrolled ")
-        .unwrap_or_else(|| panic!("no enrollment line:\n{console}"));
-    let ready_at = console.find(qemu_harness::vm::READY_MARK).unwrap();
-    assert!(
-        enrolled < ready_at,
-        "the app started before enrollment:\n{console}"
-    );
-    assert!(console.contains(&id.uri()), "{console}");
-
-    // The service saw exactly this VM (from the socket the relay used) and committed.
-    let reqs = svc.requests();
-    assert_eq!(reqs.len(), 1, "{reqs:?}");
-    assert_eq!(reqs[0].vm_uid, "vm-1");
-    assert!(reqs[0].code.is_none(), "{reqs:?}");
-    assert!(svc.committed_cert(token).is_some());
-
-    // Secrets: the token never reaches the console or the relay's log (debug logging on).
-    assert!(!console.contains(token), "token on the console:\n{console}");
-    assert!(!vm.relay_log("enroll").contains(token));
-
-    let report = vm.stop().expect("stop");
-    assert!(report.clean(), "{report:?}\n{}", vm.console());
-    let console = vm.console();
-    for bad in ["Kernel panic", "Attempted to kill init"] {
-        assert!(!console.contains(bad), "{bad}:\n{console}");
-    }
 }

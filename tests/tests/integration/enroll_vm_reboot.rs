@@ -62,11 +62,13 @@ use std::time::{Duration, Instant};
 
 use base64::Engine;
 use e2e::enroll_service::EnrollService;
-use e2e::util::{cache_dir, have_program, host_bin, musl_bin, require};
+use e2e::util::{
+    cache_dir, have_program, host_bin, musl_bin, on_each_kernel, require, test_kernels,
+};
 use guest_init::enroll::identity::Identity;
 use p256::pkcs8::DecodePrivateKey;
 use qemu_harness::process::tail;
-use qemu_harness::{Image, RelaySpec, Vm, VmSpec};
+use qemu_harness::{Image, Kernel, RelaySpec, Vm, VmSpec};
 use serde_json::json;
 use sha2::{Digest, Sha256};
 use vm_image::initramfs::InitramfsSpec;
@@ -106,10 +108,6 @@ fn check_requirements() -> Option<Tools> {
     let debugfs = e2fs_tool("debugfs");
     let e2fsck = e2fs_tool("e2fsck");
     let ok = require(have_program("qemu-system-x86_64"), "qemu-system-x86_64")
-        && require(
-            cache.join("kernel/current/vmlinuz").is_file(),
-            "the guest kernel (.cache/kernel/current/vmlinuz)",
-        )
         && require(
             cache.join("tools/bin/vhost-device-vsock").is_file(),
             "vhost-device-vsock (.cache/tools/bin)",
@@ -292,7 +290,7 @@ fn wait_until(vm: &mut Vm, what: &str, timeout: Duration, mut f: impl FnMut() ->
 }
 
 /// The VM: the initramfs (guest-init, configuration, modules) and the root disk.
-fn vm_spec(name: &str, guest_init: &Path, disk: &Path, svc_sock: &Path) -> VmSpec {
+fn vm_spec(name: &str, kernel: &Kernel, guest_init: &Path, disk: &Path, svc_sock: &Path) -> VmSpec {
     let mut modules: Vec<&str> = vm_image::VSOCK_MODULES.to_vec();
     modules.extend(["virtio_blk", "ext4"]);
     let config = json!({
@@ -322,6 +320,7 @@ fn vm_spec(name: &str, guest_init: &Path, disk: &Path, svc_sock: &Path) -> VmSpe
         name,
         Image::Initramfs(Box::new(InitramfsSpec::new(guest_init, config))),
     );
+    spec.kernel = Some(kernel.clone());
     spec.disks = vec![(disk.to_path_buf(), false)];
     spec.ready_timeout = BOOT_TIMEOUT;
     spec.relay_bin = Some(host_bin("host-relay"));
@@ -382,251 +381,268 @@ fn a_reboot_mid_enrollment_resumes_from_the_virtio_blk_disk_with_the_identical_c
     let Some(tools) = check_requirements() else {
         return;
     };
+    let Some(kernels) = test_kernels() else {
+        return;
+    };
     let guest_init = musl_bin("guest-init");
     let probe = musl_bin("guest-probe");
+    on_each_kernel(&kernels, |kernel| {
+        // The service, its endpoint for this VM, and the token bound to the VM's identity.
+        let svc = EnrollService::start().unwrap();
+        let work = tempfile::tempdir().unwrap();
+        let svc_sock = work.path().join("svc-vm-1.sock");
+        svc.listen_vm(VM_UID, &svc_sock).unwrap();
+        let id = Identity {
+            workspace_namespace: "team-a".into(),
+            workspace_name: "ws1".into(),
+            workspace_uid: "0b4c5e2a-1111-2222-3333-444455556666".into(),
+            vm_uid: VM_UID.into(),
+            epoch: 7,
+        };
+        let expires = svc
+            .register(TOKEN, &id, Duration::from_secs(15 * 60))
+            .unwrap();
+        let material = json!({
+            "version": 1,
+            "workspace_namespace": id.workspace_namespace,
+            "workspace_name": id.workspace_name,
+            "workspace_uid": id.workspace_uid,
+            "vm_uid": id.vm_uid,
+            "revocation_epoch": id.epoch,
+            "token": TOKEN,
+            "expires_at": expires,
+            "enrollment_port": ENROLL_PORT,
+        });
 
-    // The service, its endpoint for this VM, and the token bound to the VM's identity.
-    let svc = EnrollService::start().unwrap();
-    let work = tempfile::tempdir().unwrap();
-    let svc_sock = work.path().join("svc-vm-1.sock");
-    svc.listen_vm(VM_UID, &svc_sock).unwrap();
-    let id = Identity {
-        workspace_namespace: "team-a".into(),
-        workspace_name: "ws1".into(),
-        workspace_uid: "0b4c5e2a-1111-2222-3333-444455556666".into(),
-        vm_uid: VM_UID.into(),
-        epoch: 7,
-    };
-    let expires = svc
-        .register(TOKEN, &id, Duration::from_secs(15 * 60))
-        .unwrap();
-    let material = json!({
-        "version": 1,
-        "workspace_namespace": id.workspace_namespace,
-        "workspace_name": id.workspace_name,
-        "workspace_uid": id.workspace_uid,
-        "vm_uid": id.vm_uid,
-        "revocation_epoch": id.epoch,
-        "token": TOKEN,
-        "expires_at": expires,
-        "enrollment_port": ENROLL_PORT,
-    });
-
-    // The root disk: the app and the bootstrap material; the guest adds its state.
-    let tree = work.path().join("root");
-    populate_root(&tree, &probe, material.to_string().as_bytes());
-    let disk = work.path().join("root.ext4");
-    vm_image::rootdisk::build(
-        &RootDiskSpec {
-            source: tree,
-            size_mib: 32,
-            label: "enroll-reboot".into(),
-            normalize_times: false,
-        },
-        &disk,
-    )
-    .unwrap_or_else(|e| panic!("root disk: {e}"));
-    let fresh = read_state(&tools, &disk, work.path());
-    assert!(
-        fresh.dir_mode.is_none(),
-        "the fresh disk already has a state directory: {fresh:?}"
-    );
-
-    // Boot 1: the service commits the CSR and never answers; then the power goes.
-    svc.stall_after_commit();
-    let boot1_started = Instant::now();
-    let mut vm1 = Vm::boot(vm_spec("enroll-reboot-1", &guest_init, &disk, &svc_sock))
-        .unwrap_or_else(|e| panic!("boot 1: {e}"));
-    wait_until(
-        &mut vm1,
-        "the service to commit boot 1's CSR and stall",
-        BOOT_TIMEOUT,
-        || svc.stalled() == 1,
-    );
-    let boot1_to_stall = boot1_started.elapsed();
-    let qemu_pid = vm1
-        .pids()
-        .into_iter()
-        .find(|(n, _)| n == "qemu")
-        .map(|(_, p)| p)
-        .expect("QEMU's pid");
-    // A power cut: SIGKILL, no stop request. QEMU is our unreaped child, so its pid
-    // cannot have been reused.
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(i32::try_from(qemu_pid).unwrap()),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .expect("SIGKILL QEMU");
-    let status = vm1
-        .wait_exit(Duration::from_secs(60))
-        .unwrap_or_else(|e| panic!("QEMU did not die of SIGKILL: {e}"));
-    assert_eq!(status.signal(), Some(9), "QEMU ended otherwise: {status:?}");
-    let console1 = vm1.console();
-    let relay1 = vm1.relay_log("enroll");
-    assert!(
-        console1.contains("switched root to /dev/vda"),
-        "boot 1 did not run on the disk:\n{}",
-        tail(&console1, 40)
-    );
-    assert!(
-        console1.contains("enroll: new file key ") && console1.contains(" persisted"),
-        "boot 1 did not make and persist a key and CSR:\n{}",
-        tail(&console1, 40)
-    );
-    assert!(
-        !console1.contains("enroll: enrolled ") && !console1.contains(qemu_harness::vm::READY_MARK),
-        "boot 1 got its certificate before the kill: the reboot was not mid-enrollment:\n{}",
-        tail(&console1, 40)
-    );
-    drop(vm1);
-
-    // The stalled request completes into the dead connection and is recorded.
-    let committed = svc
-        .committed_cert(TOKEN)
-        .expect("boot 1's CSR was committed");
-    svc.release_stall();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while svc.requests().is_empty() {
+        // The root disk: the app and the bootstrap material; the guest adds its state.
+        let tree = work.path().join("root");
+        populate_root(&tree, &probe, material.to_string().as_bytes());
+        let disk = work.path().join("root.ext4");
+        vm_image::rootdisk::build(
+            &RootDiskSpec {
+                source: tree,
+                size_mib: 32,
+                label: "enroll-reboot".into(),
+                normalize_times: false,
+            },
+            &disk,
+        )
+        .unwrap_or_else(|e| panic!("root disk: {e}"));
+        let fresh = read_state(&tools, &disk, work.path());
         assert!(
-            Instant::now() < deadline,
-            "the stalled request was never recorded"
+            fresh.dir_mode.is_none(),
+            "the fresh disk already has a state directory: {fresh:?}"
         );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let first = svc.requests();
-    assert_eq!(
-        first.len(),
-        1,
-        "boot 1 sent more than one request: {first:?}"
-    );
-    let csr1 = first[0]
-        .csr
-        .clone()
-        .expect("boot 1's request carried a CSR");
-    assert_eq!(first[0].vm_uid, VM_UID);
-    assert_eq!(first[0].cert.as_deref(), Some(committed.as_slice()));
 
-    // The disk after the power cut: key, exact CSR and pending state, no certificate.
-    let between = read_state(&tools, &disk, work.path());
-    assert_eq!(
-        between.dir_mode,
-        Some(0o040700),
-        "state directory after boot 1: {between:?}"
-    );
-    let key1 = between.only(".key");
-    assert_eq!(
-        (key1.mode, key1.uid),
-        (0o100600, 0),
-        "the key file is not root-only"
-    );
-    let key1 = key1.bytes.clone();
-    assert!(
-        between.only(".csr").bytes == csr1,
-        "the CSR on the disk (sha256 {}) is not the one the service received (sha256 {})",
-        sha(&between.only(".csr").bytes),
-        sha(&csr1)
-    );
-    assert!(
-        between.files.contains_key("pending.json")
-            && !between.files.contains_key("enrolled.json")
-            && between.names_ending(".crt").is_empty(),
-        "after boot 1 the disk should hold a pending enrollment and no certificate: {}",
-        between.listing()
-    );
+        // Boot 1: the service commits the CSR and never answers; then the power goes.
+        svc.stall_after_commit();
+        let boot1_started = Instant::now();
+        let mut vm1 = Vm::boot(vm_spec(
+            "enroll-reboot-1",
+            kernel,
+            &guest_init,
+            &disk,
+            &svc_sock,
+        ))
+        .unwrap_or_else(|e| panic!("boot 1: {e}"));
+        wait_until(
+            &mut vm1,
+            "the service to commit boot 1's CSR and stall",
+            BOOT_TIMEOUT,
+            || svc.stalled() == 1,
+        );
+        let boot1_to_stall = boot1_started.elapsed();
+        let qemu_pid = vm1
+            .pids()
+            .into_iter()
+            .find(|(n, _)| n == "qemu")
+            .map(|(_, p)| p)
+            .expect("QEMU's pid");
+        // A power cut: SIGKILL, no stop request. QEMU is our unreaped child, so its pid
+        // cannot have been reused.
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(i32::try_from(qemu_pid).unwrap()),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .expect("SIGKILL QEMU");
+        let status = vm1
+            .wait_exit(Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("QEMU did not die of SIGKILL: {e}"));
+        assert_eq!(status.signal(), Some(9), "QEMU ended otherwise: {status:?}");
+        let console1 = vm1.console();
+        let relay1 = vm1.relay_log("enroll");
+        assert!(
+            console1.contains("switched root to /dev/vda"),
+            "boot 1 did not run on the disk:\n{}",
+            tail(&console1, 40)
+        );
+        assert!(
+            console1.contains("enroll: new file key ") && console1.contains(" persisted"),
+            "boot 1 did not make and persist a key and CSR:\n{}",
+            tail(&console1, 40)
+        );
+        assert!(
+            !console1.contains("enroll: enrolled ")
+                && !console1.contains(qemu_harness::vm::READY_MARK),
+            "boot 1 got its certificate before the kill: the reboot was not mid-enrollment:\n{}",
+            tail(&console1, 40)
+        );
+        drop(vm1);
 
-    // Boot 2 from the same disk: the guest resends the same CSR and gets the certificate.
-    let mut vm2 = Vm::boot(vm_spec("enroll-reboot-2", &guest_init, &disk, &svc_sock))
+        // The stalled request completes into the dead connection and is recorded.
+        let committed = svc
+            .committed_cert(TOKEN)
+            .expect("boot 1's CSR was committed");
+        svc.release_stall();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while svc.requests().is_empty() {
+            assert!(
+                Instant::now() < deadline,
+                "the stalled request was never recorded"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let first = svc.requests();
+        assert_eq!(
+            first.len(),
+            1,
+            "boot 1 sent more than one request: {first:?}"
+        );
+        let csr1 = first[0]
+            .csr
+            .clone()
+            .expect("boot 1's request carried a CSR");
+        assert_eq!(first[0].vm_uid, VM_UID);
+        assert_eq!(first[0].cert.as_deref(), Some(committed.as_slice()));
+
+        // The disk after the power cut: key, exact CSR and pending state, no certificate.
+        let between = read_state(&tools, &disk, work.path());
+        assert_eq!(
+            between.dir_mode,
+            Some(0o040700),
+            "state directory after boot 1: {between:?}"
+        );
+        let key1 = between.only(".key");
+        assert_eq!(
+            (key1.mode, key1.uid),
+            (0o100600, 0),
+            "the key file is not root-only"
+        );
+        let key1 = key1.bytes.clone();
+        assert!(
+            between.only(".csr").bytes == csr1,
+            "the CSR on the disk (sha256 {}) is not the one the service received (sha256 {})",
+            sha(&between.only(".csr").bytes),
+            sha(&csr1)
+        );
+        assert!(
+            between.files.contains_key("pending.json")
+                && !between.files.contains_key("enrolled.json")
+                && between.names_ending(".crt").is_empty(),
+            "after boot 1 the disk should hold a pending enrollment and no certificate: {}",
+            between.listing()
+        );
+
+        // Boot 2 from the same disk: the guest resends the same CSR and gets the certificate.
+        let mut vm2 = Vm::boot(vm_spec(
+            "enroll-reboot-2",
+            kernel,
+            &guest_init,
+            &disk,
+            &svc_sock,
+        ))
         .unwrap_or_else(|e| panic!("boot 2: {e}"));
-    let ready = vm2.wait_ready();
-    let console2 = vm2.console();
-    assert!(
-        ready.is_ok(),
-        "boot 2 never got ready: {ready:?}\n{}",
-        tail(&console2, 60)
-    );
-    assert!(
-        console2.contains("enroll: resuming the pending enrollment of ")
-            && !console2.contains("enroll: new file key "),
-        "boot 2 did not resume the pending enrollment:\n{}",
-        tail(&console2, 60)
-    );
-    let enrolled = console2
-        .find("guest-init: enroll: enrolled ")
-        .unwrap_or_else(|| panic!("no enrollment line in boot 2:\n{console2}"));
-    let ready_at = console2.find(qemu_harness::vm::READY_MARK).unwrap();
-    assert!(
-        enrolled < ready_at,
-        "the app started before enrollment:\n{console2}"
-    );
-    let reqs = svc.requests();
-    assert_eq!(
-        reqs.len(),
-        2,
-        "want boot 1's request and one resend: {reqs:?}"
-    );
-    let csr2 = reqs[1].csr.clone().expect("boot 2's request carried a CSR");
-    assert!(
-        csr2 == csr1,
-        "boot 2 sent another CSR (sha256 {}) than boot 1 (sha256 {})",
-        sha(&csr2),
-        sha(&csr1)
-    );
-    assert!(reqs[1].code.is_none(), "boot 2 was refused: {:?}", reqs[1]);
-    assert_eq!(reqs[1].vm_uid, VM_UID);
-    assert!(
-        reqs[1].cert.as_deref() == Some(committed.as_slice()),
-        "boot 2 was answered with another certificate than the one committed in boot 1"
-    );
-    let relay2 = vm2.relay_log("enroll");
-    // For a person reading the log (not asserted: timings belong to benchmarks).
-    eprintln!(
-        "[enroll_vm_reboot] boot 1: QEMU start to the service's stall {:.2} s, then SIGKILL; \
+        let ready = vm2.wait_ready();
+        let console2 = vm2.console();
+        assert!(
+            ready.is_ok(),
+            "boot 2 never got ready: {ready:?}\n{}",
+            tail(&console2, 60)
+        );
+        assert!(
+            console2.contains("enroll: resuming the pending enrollment of ")
+                && !console2.contains("enroll: new file key "),
+            "boot 2 did not resume the pending enrollment:\n{}",
+            tail(&console2, 60)
+        );
+        let enrolled = console2
+            .find("guest-init: enroll: enrolled ")
+            .unwrap_or_else(|| panic!("no enrollment line in boot 2:\n{console2}"));
+        let ready_at = console2.find(qemu_harness::vm::READY_MARK).unwrap();
+        assert!(
+            enrolled < ready_at,
+            "the app started before enrollment:\n{console2}"
+        );
+        let reqs = svc.requests();
+        assert_eq!(
+            reqs.len(),
+            2,
+            "want boot 1's request and one resend: {reqs:?}"
+        );
+        let csr2 = reqs[1].csr.clone().expect("boot 2's request carried a CSR");
+        assert!(
+            csr2 == csr1,
+            "boot 2 sent another CSR (sha256 {}) than boot 1 (sha256 {})",
+            sha(&csr2),
+            sha(&csr1)
+        );
+        assert!(reqs[1].code.is_none(), "boot 2 was refused: {:?}", reqs[1]);
+        assert_eq!(reqs[1].vm_uid, VM_UID);
+        assert!(
+            reqs[1].cert.as_deref() == Some(committed.as_slice()),
+            "boot 2 was answered with another certificate than the one committed in boot 1"
+        );
+        let relay2 = vm2.relay_log("enroll");
+        // For a person reading the log (not asserted: timings belong to benchmarks).
+        eprintln!(
+            "[enroll_vm_reboot] boot 1: QEMU start to the service's stall {:.2} s, then SIGKILL; \
          boot 2: boot-to-ready {:.2} s; CSR sha256 {} sent in both boots; certificate \
          sha256 {}",
-        boot1_to_stall.as_secs_f64(),
-        vm2.ready().map_or(0.0, |r| r.boot_to_ready.as_secs_f64()),
-        sha(&csr1),
-        sha(&committed)
-    );
+            boot1_to_stall.as_secs_f64(),
+            vm2.ready().map_or(0.0, |r| r.boot_to_ready.as_secs_f64()),
+            sha(&csr1),
+            sha(&committed)
+        );
 
-    let report = vm2.stop().unwrap_or_else(|e| panic!("stop: {e}"));
-    assert!(report.clean(), "{report:?}\n{}", tail(&vm2.console(), 40));
-    let console2 = vm2.console();
-    for bad in ["Kernel panic", "Attempted to kill init"] {
-        assert!(!console2.contains(bad), "{bad}:\n{console2}");
-    }
-    drop(vm2);
+        let report = vm2.stop().unwrap_or_else(|e| panic!("stop: {e}"));
+        assert!(report.clean(), "{report:?}\n{}", tail(&vm2.console(), 40));
+        let console2 = vm2.console();
+        for bad in ["Kernel panic", "Attempted to kill init"] {
+            assert!(!console2.contains(bad), "{bad}:\n{console2}");
+        }
+        drop(vm2);
 
-    // The disk now holds the committed certificate for the unchanged key and CSR.
-    let after = read_state(&tools, &disk, work.path());
-    assert!(
-        after.only(".key").bytes == key1,
-        "the key changed across the reboot"
-    );
-    assert!(
-        after.only(".csr").bytes == csr1,
-        "the CSR changed across the reboot"
-    );
-    assert!(
-        after.only(".crt").bytes == committed,
-        "the guest stored another certificate (sha256 {}) than the one committed in boot 1 \
+        // The disk now holds the committed certificate for the unchanged key and CSR.
+        let after = read_state(&tools, &disk, work.path());
+        assert!(
+            after.only(".key").bytes == key1,
+            "the key changed across the reboot"
+        );
+        assert!(
+            after.only(".csr").bytes == csr1,
+            "the CSR changed across the reboot"
+        );
+        assert!(
+            after.only(".crt").bytes == committed,
+            "the guest stored another certificate (sha256 {}) than the one committed in boot 1 \
          (sha256 {})",
-        sha(&after.only(".crt").bytes),
-        sha(&committed)
-    );
-    assert!(
-        after.files.contains_key("enrolled.json") && !after.files.contains_key("pending.json"),
-        "after boot 2 the enrollment should be complete: {}",
-        after.listing()
-    );
+            sha(&after.only(".crt").bytes),
+            sha(&committed)
+        );
+        assert!(
+            after.files.contains_key("enrolled.json") && !after.files.contains_key("pending.json"),
+            "after boot 2 the enrollment should be complete: {}",
+            after.listing()
+        );
 
-    assert_no_secrets(
-        &[
-            ("boot 1 console", console1),
-            ("boot 1 relay log", relay1),
-            ("boot 2 console", console2),
-            ("boot 2 relay log", relay2),
-        ],
-        &key1,
-    );
+        assert_no_secrets(
+            &[
+                ("boot 1 console", console1),
+                ("boot 1 relay log", relay1),
+                ("boot 2 console", console2),
+                ("boot 2 relay log", relay2),
+            ],
+            &key1,
+        );
+    });
 }

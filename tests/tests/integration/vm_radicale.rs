@@ -15,6 +15,8 @@
 //!   the app's own client address instead: the relay rewrote it;
 //! - the host's stop request ends the VM cleanly: QEMU exits 0 without being killed.
 //!
+//! Runs on every guest kernel `e2e::util::test_kernels` names (6.1 and 6.12 after setup).
+//!
 //! Needs QEMU, the guest kernel, vhost-device-vsock, Dovecot and root (for the cached root
 //! disk's first build); without them it prints `SKIPPED` (or fails under
 //! `REQUIRE_ALL=1`).
@@ -29,90 +31,99 @@ fn radicale_in_a_vm_signs_in_through_the_relay_and_dovecot_never_sees_the_gatewa
     if !util::require(req.ok(), &req.missing.join(", ")) {
         return;
     }
-    let mut sc = Scenario::start(&Options::default(), &mut |p| {
+    let Some(kernels) = util::test_kernels() else {
+        return;
+    };
+    util::on_each_kernel(&kernels, |kernel| {
+        let opts = Options {
+            kernel: Some(kernel.clone()),
+            ..Options::default()
+        };
+        let mut sc = Scenario::start(&opts, &mut |p| {
+            eprintln!(
+                "[vm_radicale] {:<13} {:>6}  {}",
+                p.name,
+                radicale_vm::secs(p.took),
+                p.detail
+            )
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
         eprintln!(
-            "[vm_radicale] {:<13} {:>6}  {}",
-            p.name,
-            radicale_vm::secs(p.took),
-            p.detail
-        )
-    })
-    .unwrap_or_else(|e| panic!("{e}"));
-    eprintln!(
-        "[vm_radicale] boot-to-ready {:.2} s, boot-to-HTTP {:.2} s",
-        sc.boot_to_ready.as_secs_f64(),
-        sc.boot_to_http.as_secs_f64()
-    );
-
-    let right = sc
-        .sign_in(radicale_vm::USER, radicale_vm::PASSWORD)
-        .unwrap_or_else(|e| panic!("right password: {e}\nconsole:\n{}", sc.console()));
-    assert!(
-        (200..300).contains(&right.status),
-        "right password got {} (want 2xx)\n{}\nrelay log:\n{}\ndovecot log:\n{}\nconsole:\n{}",
-        right.status,
-        right.head,
-        sc.relay_log(),
-        sc.dovecot_log(),
-        radicale_vm::tail_lines(&sc.console(), 40)
-    );
-    let wrong = sc
-        .sign_in(radicale_vm::USER, "not-the-password")
-        .unwrap_or_else(|e| panic!("wrong password: {e}\nconsole:\n{}", sc.console()));
-    assert_eq!(
-        wrong.status, 401,
-        "wrong password got {} (want 401)\n{}",
-        wrong.status, wrong.head
-    );
-
-    // Radicale saw the gateway as its client: the rewrite had something to do.
-    let console = sc.console();
-    assert!(
-        console.contains(&format!("received from {GATEWAY}")),
-        "Radicale's log does not show the gateway {GATEWAY} as its client:\n{}",
-        radicale_vm::tail_lines(&console, 40)
-    );
-    // Dovecot logged both requests with the app's own address, never the gateway.
-    let log = sc.dovecot_log();
-    let auth_lines: Vec<&str> = log
-        .lines()
-        .filter(|l| l.contains("client in: AUTH"))
-        .collect();
-    assert!(
-        auth_lines.len() >= 2,
-        "Dovecot logged {} AUTH requests (want both sign-ins):\n{log}",
-        auth_lines.len()
-    );
-    for l in &auth_lines {
-        assert!(
-            l.contains(&format!("rip={APP_CLIENT_ADDRESS}")),
-            "an AUTH request reached Dovecot without the app's client address: {l}"
+            "[vm_radicale] boot-to-ready {:.2} s, boot-to-HTTP {:.2} s",
+            sc.boot_to_ready.as_secs_f64(),
+            sc.boot_to_http.as_secs_f64()
         );
-    }
-    assert!(
-        !log.contains(GATEWAY),
-        "Dovecot's log shows the gateway address {GATEWAY}:\n{log}"
-    );
-    assert!(
-        !log.contains(radicale_vm::PASSWORD) && !console.contains(radicale_vm::PASSWORD),
-        "a password reached a log"
-    );
 
-    let stop = sc.stop().unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(stop.reply, "ok stopping");
-    assert!(
-        stop.clean(),
-        "the VM did not stop cleanly: exit {:?}, killed {}\n{}",
-        stop.exit,
-        stop.killed,
-        radicale_vm::tail_lines(&sc.console(), 30)
-    );
-    let console = sc.console();
-    assert!(
-        !console.contains("Attempted to kill init"),
-        "PID 1 died:\n{}",
-        radicale_vm::tail_lines(&console, 30)
-    );
+        let right = sc
+            .sign_in(radicale_vm::USER, radicale_vm::PASSWORD)
+            .unwrap_or_else(|e| panic!("right password: {e}\nconsole:\n{}", sc.console()));
+        assert!(
+            (200..300).contains(&right.status),
+            "right password got {} (want 2xx)\n{}\nrelay log:\n{}\ndovecot log:\n{}\nconsole:\n{}",
+            right.status,
+            right.head,
+            sc.relay_log(),
+            sc.dovecot_log(),
+            radicale_vm::tail_lines(&sc.console(), 40)
+        );
+        let wrong = sc
+            .sign_in(radicale_vm::USER, "not-the-password")
+            .unwrap_or_else(|e| panic!("wrong password: {e}\nconsole:\n{}", sc.console()));
+        assert_eq!(
+            wrong.status, 401,
+            "wrong password got {} (want 401)\n{}",
+            wrong.status, wrong.head
+        );
+
+        // Radicale saw the gateway as its client: the rewrite had something to do.
+        let console = sc.console();
+        assert!(
+            console.contains(&format!("received from {GATEWAY}")),
+            "Radicale's log does not show the gateway {GATEWAY} as its client:\n{}",
+            radicale_vm::tail_lines(&console, 40)
+        );
+        // Dovecot logged both requests with the app's own address, never the gateway.
+        let log = sc.dovecot_log();
+        let auth_lines: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("client in: AUTH"))
+            .collect();
+        assert!(
+            auth_lines.len() >= 2,
+            "Dovecot logged {} AUTH requests (want both sign-ins):\n{log}",
+            auth_lines.len()
+        );
+        for l in &auth_lines {
+            assert!(
+                l.contains(&format!("rip={APP_CLIENT_ADDRESS}")),
+                "an AUTH request reached Dovecot without the app's client address: {l}"
+            );
+        }
+        assert!(
+            !log.contains(GATEWAY),
+            "Dovecot's log shows the gateway address {GATEWAY}:\n{log}"
+        );
+        assert!(
+            !log.contains(radicale_vm::PASSWORD) && !console.contains(radicale_vm::PASSWORD),
+            "a password reached a log"
+        );
+
+        let stop = sc.stop().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(stop.reply, "ok stopping");
+        assert!(
+            stop.clean(),
+            "the VM did not stop cleanly: exit {:?}, killed {}\n{}",
+            stop.exit,
+            stop.killed,
+            radicale_vm::tail_lines(&sc.console(), 30)
+        );
+        let console = sc.console();
+        assert!(
+            !console.contains("Attempted to kill init"),
+            "PID 1 died:\n{}",
+            radicale_vm::tail_lines(&console, 30)
+        );
+    });
 }
 
 /// The root disk holds what the VM test relies on, read back from the image itself with

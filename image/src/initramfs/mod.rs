@@ -10,7 +10,12 @@
 //!   only fail at boot with a kernel panic.
 //! - The configuration's `modules` list is expanded with [`crate::modules::ModuleDb`] into
 //!   the full load order, and each module file is copied to `/lib/modules/<name>.ko`
-//!   (the layout in `docs/CONTRACTS.md`). A missing module is an error naming it.
+//!   (the layout in `docs/CONTRACTS.md`), decompressed first if the kernel ships it as
+//!   `.ko.xz`, `.ko.zst` or `.ko.gz` ([`crate::decompress`]), so guest-init's plain
+//!   `finit_module` loads it on any kernel. A missing module is an error naming it; a
+//!   configured module that this kernel has built in is dropped and reported in
+//!   [`Initramfs::builtin`] (the same configuration serves kernels that build a driver in,
+//!   like 6.12's `virtio_pci`, and kernels that have it as a module, like 6.1's).
 //! - A configuration that loads modules also gets [`crate::POWER_BUTTON_MODULES`] (`button`
 //!   and `evdev`), appended after its own, whenever the kernel has them: without them a
 //!   VMM's ACPI power button (QEMU's `system_powerdown`, `virsh shutdown`) reaches no one
@@ -31,6 +36,7 @@ use flate2::{Compression, GzBuilder};
 use serde_json::Value;
 
 use crate::cpio::{Archive, CpioError, Entry};
+use crate::decompress::{self, DecompressError};
 use crate::elf::{self, ElfError};
 use crate::modules::{Module, ModuleDb, ModuleError};
 
@@ -100,6 +106,9 @@ pub struct Initramfs {
     pub uncompressed_size: u64,
     /// The modules in load order, as written into the configuration.
     pub modules: Vec<Module>,
+    /// Configured modules left out because this kernel has them built in (a note for the
+    /// caller to show, not an error).
+    pub builtin: Vec<String>,
     /// The configuration as written into the image.
     pub config: Value,
 }
@@ -139,6 +148,9 @@ pub enum ImageError {
     /// A module could not be resolved.
     #[error(transparent)]
     Module(#[from] ModuleError),
+    /// A module file could not be decompressed.
+    #[error(transparent)]
+    Decompress(#[from] DecompressError),
     /// The archive's structure is wrong (duplicate or bad paths).
     #[error(transparent)]
     Archive(#[from] CpioError),
@@ -190,10 +202,12 @@ pub fn build(spec: &InitramfsSpec) -> Result<Initramfs, ImageError> {
     )?;
 
     let mut config = spec.config.clone();
-    let modules = expand_modules(&mut config, spec.kernel_modules.as_deref())?;
+    let (modules, builtin) = expand_modules(&mut config, spec.kernel_modules.as_deref())?;
     if let Some(dir) = &spec.kernel_modules {
         for m in &modules {
-            let data = read(&format!("module {}", m.name), &dir.join(&m.rel_path))?;
+            let file = dir.join(&m.rel_path);
+            let data = read(&format!("module {}", m.name), &file)?;
+            let data = decompress::module_bytes(&file.display().to_string(), data)?;
             archive.add(
                 &format!("{MODULE_DIR}/{}.ko", m.name),
                 Entry::File { mode: 0o644, data },
@@ -248,6 +262,7 @@ pub fn build(spec: &InitramfsSpec) -> Result<Initramfs, ImageError> {
         bytes,
         uncompressed_size: raw.len() as u64,
         modules,
+        builtin,
         config,
     })
 }
@@ -265,18 +280,19 @@ pub fn build_to(spec: &InitramfsSpec, out: &Path) -> Result<Initramfs, ImageErro
     Ok(img)
 }
 
-/// Replaces `config.modules` (names) with the full load order; returns it.
+/// Replaces `config.modules` (names) with the full load order; returns it and the
+/// configured names dropped as built in.
 fn expand_modules(
     config: &mut Value,
     kernel_modules: Option<&Path>,
-) -> Result<Vec<Module>, ImageError> {
+) -> Result<(Vec<Module>, Vec<String>), ImageError> {
     let Some(obj) = config.as_object_mut() else {
         return Err(ImageError::BadModulesField(
             "the configuration must be a JSON object".into(),
         ));
     };
     let Some(list) = obj.get("modules") else {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), Vec::new()));
     };
     let Some(arr) = list.as_array() else {
         return Err(ImageError::BadModulesField(
@@ -295,7 +311,7 @@ fn expand_modules(
         }
     }
     if names.is_empty() {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), Vec::new()));
     }
     let Some(dir) = kernel_modules else {
         return Err(ImageError::NoKernelModules(names.len()));
@@ -308,6 +324,7 @@ fn expand_modules(
         }
     }
     let modules = db.resolve(&names)?;
+    let builtin = db.builtin_among(&names);
     obj.insert(
         "modules".into(),
         Value::Array(
@@ -317,172 +334,8 @@ fn expand_modules(
                 .collect(),
         ),
     );
-    Ok(modules)
+    Ok((modules, builtin))
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
-
-    fn busybox() -> Option<PathBuf> {
-        let p = PathBuf::from("/bin/busybox");
-        if p.exists() {
-            return Some(p);
-        }
-        if std::env::var("REQUIRE_ALL").is_ok_and(|v| v == "1") {
-            panic!("/bin/busybox (busybox-static) is required for this test and missing");
-        }
-        eprintln!("SKIPPED: /bin/busybox (busybox-static) is missing");
-        None
-    }
-
-    fn fake_kernel(dir: &Path) -> PathBuf {
-        let k = dir.join("lib/modules/6.1.0-test");
-        std::fs::create_dir_all(k.join("kernel/v")).unwrap();
-        std::fs::write(
-            k.join("modules.dep"),
-            "kernel/v/b.ko: kernel/v/a.ko\nkernel/v/a.ko:\n",
-        )
-        .unwrap();
-        std::fs::write(k.join("modules.builtin"), "kernel/fs/ext4.ko\n").unwrap();
-        std::fs::write(k.join("kernel/v/a.ko"), b"module a").unwrap();
-        std::fs::write(k.join("kernel/v/b.ko"), b"module b").unwrap();
-        k
-    }
-
-    #[test]
-    fn same_inputs_give_same_bytes_and_modules_are_expanded() {
-        let Some(init) = busybox() else { return };
-        let tmp = tempfile::tempdir().unwrap();
-        let k = fake_kernel(tmp.path());
-        let app = tmp.path().join("app");
-        std::fs::write(&app, b"app bytes").unwrap();
-        let mut spec = InitramfsSpec::new(&init, json!({"modules": ["b", "ext4"], "z": 1, "a": 2}));
-        spec.kernel_modules = Some(k.clone());
-        spec.files.push(ExtraFile {
-            guest_path: "/app/bin/app".into(),
-            source: Source::Host(app.clone()),
-            mode: 0o755,
-        });
-        let one = build(&spec).unwrap();
-        // Touch the inputs' metadata: times must not leak into the image.
-        std::thread::sleep(std::time::Duration::from_millis(1100));
-        std::fs::write(&app, b"app bytes").unwrap();
-        let two = build(&spec).unwrap();
-        assert_eq!(one.bytes, two.bytes);
-        assert_eq!(one.config["modules"], json!(["a", "b"]));
-        // No power-button modules in this kernel: none are added.
-        assert_eq!(one.modules.len(), 2);
-
-        // Unpack with the real cpio tool and check the layout.
-        let out = tmp.path().join("x");
-        std::fs::create_dir(&out).unwrap();
-        let raw = {
-            let mut d = flate2::read::GzDecoder::new(&one.bytes[..]);
-            let mut v = Vec::new();
-            std::io::Read::read_to_end(&mut d, &mut v).unwrap();
-            v
-        };
-        assert_eq!(raw.len() as u64, one.uncompressed_size);
-        let mut child = std::process::Command::new("cpio")
-            .args(["-i", "-d", "--quiet"])
-            .current_dir(&out)
-            .stdin(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        child.stdin.take().unwrap().write_all(&raw).unwrap();
-        assert!(child.wait().unwrap().success());
-        assert_eq!(
-            std::fs::read(out.join("lib/modules/a.ko")).unwrap(),
-            b"module a"
-        );
-        assert_eq!(
-            std::fs::read(out.join("lib/modules/b.ko")).unwrap(),
-            b"module b"
-        );
-        assert_eq!(
-            std::fs::read(out.join("app/bin/app")).unwrap(),
-            b"app bytes"
-        );
-        let cfg: Value =
-            serde_json::from_slice(&std::fs::read(out.join("etc/guest-init.json")).unwrap())
-                .unwrap();
-        assert_eq!(cfg["modules"], json!(["a", "b"]));
-        assert_eq!(
-            std::fs::read(out.join("init")).unwrap(),
-            std::fs::read(&init).unwrap()
-        );
-    }
-
-    #[test]
-    fn power_button_modules_are_added_when_the_kernel_has_them() {
-        let Some(init) = busybox() else { return };
-        let tmp = tempfile::tempdir().unwrap();
-        let k = fake_kernel(tmp.path());
-        std::fs::create_dir_all(k.join("kernel/acpi")).unwrap();
-        let mut dep = std::fs::read_to_string(k.join("modules.dep")).unwrap();
-        dep.push_str("kernel/acpi/button.ko:\nkernel/v/evdev.ko:\n");
-        std::fs::write(k.join("modules.dep"), dep).unwrap();
-        std::fs::write(k.join("kernel/acpi/button.ko"), b"button").unwrap();
-        std::fs::write(k.join("kernel/v/evdev.ko"), b"evdev").unwrap();
-        let mut spec = InitramfsSpec::new(&init, json!({"modules": ["b"]}));
-        spec.kernel_modules = Some(k.clone());
-        let img = build(&spec).unwrap();
-        assert_eq!(img.config["modules"], json!(["a", "b", "button", "evdev"]));
-        // Listed already: not twice.
-        spec.config = json!({"modules": ["evdev", "b"]});
-        let img = build(&spec).unwrap();
-        assert_eq!(img.config["modules"], json!(["evdev", "a", "b", "button"]));
-        // No modules at all: the configuration stays as it is.
-        spec.config = json!({});
-        assert_eq!(build(&spec).unwrap().config.get("modules"), None);
-    }
-
-    #[test]
-    fn different_content_gives_different_bytes() {
-        let Some(init) = busybox() else { return };
-        let a = build(&InitramfsSpec::new(&init, json!({"x": 1}))).unwrap();
-        let b = build(&InitramfsSpec::new(&init, json!({"x": 2}))).unwrap();
-        assert_ne!(a.bytes, b.bytes);
-    }
-
-    #[test]
-    fn dynamic_init_is_refused() {
-        let err = build(&InitramfsSpec::new("/bin/sh", json!({}))).unwrap_err();
-        let msg = err.to_string();
-        assert!(
-            msg.contains("/bin/sh") && msg.contains("dynamically linked"),
-            "{msg}"
-        );
-    }
-
-    #[test]
-    fn missing_module_is_named() {
-        let Some(init) = busybox() else { return };
-        let tmp = tempfile::tempdir().unwrap();
-        let k = fake_kernel(tmp.path());
-        let mut spec = InitramfsSpec::new(&init, json!({"modules": ["a", "vsock_nope"]}));
-        spec.kernel_modules = Some(k);
-        let msg = build(&spec).unwrap_err().to_string();
-        assert!(msg.contains("\"vsock_nope\""), "{msg}");
-        let msg = build(&InitramfsSpec::new(&init, json!({"modules": ["a"]})))
-            .unwrap_err()
-            .to_string();
-        assert!(msg.contains("no kernel module directory"), "{msg}");
-        let msg = build(&InitramfsSpec::new(&init, json!({"modules": "a"})))
-            .unwrap_err()
-            .to_string();
-        assert!(msg.starts_with("config.modules:"), "{msg}");
-    }
-
-    #[test]
-    fn oversized_image_is_refused_with_sizes() {
-        let Some(init) = busybox() else { return };
-        let mut spec = InitramfsSpec::new(&init, json!({}));
-        spec.max_size = 1000;
-        let msg = build(&spec).unwrap_err().to_string();
-        assert!(msg.contains("over the limit of 1000 bytes"), "{msg}");
-        assert!(msg.contains("root disk"), "{msg}");
-    }
-}
+mod tests;
