@@ -140,6 +140,30 @@ fn an_epoch_raised_during_issuance_withholds_the_certificate() {
 }
 
 #[test]
+fn a_token_expiring_during_issuance_withholds_the_certificate() {
+    // The trusted clock is reread after the commit: the token ran out meanwhile.
+    let mut env = Env::new(&[VM], VM);
+    let id = identity(VM, 3);
+    let token = new_token("exp");
+    let expires = env
+        .svc
+        .register(&token, &id, Duration::from_secs(60))
+        .unwrap();
+    env.write_material(&token, &id, expires);
+    env.svc.stall_after_commit();
+    let child = env.spawn_guest();
+    wait_until("the service to commit and stall", || env.svc.stalled() == 1);
+    env.svc.advance_clock(Duration::from_secs(120));
+    env.svc.release_stall();
+    let (code, out) = env.finish(child);
+    assert_final(code, &out, "expired");
+    assert!(out.contains("withheld after commit"), "{out}");
+    assert_eq!(env.svc.requests().len(), 1, "a final error was retried");
+    assert!(nothing_published(&env));
+    env.assert_no_secrets();
+}
+
+#[test]
 fn a_retry_after_the_issued_certificate_expired_is_final() {
     // Certificates live 2 minutes here, the token 10. Committed, the guest dies before the
     // answer, 5 minutes pass (the token is still valid): the retry is refused.
