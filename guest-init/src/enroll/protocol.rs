@@ -18,11 +18,25 @@
 //!
 //! Error codes ([`ErrorCode`]) are either **retryable** — `unavailable`, `timeout`, `busy`:
 //! the client retries with capped exponential backoff, re-sending the identical bytes — or
-//! **final** — `expired`, `csr_mismatch` (another CSR is already enrolled for this token),
-//! `identity_mismatch` (the caller's VM or the CSR's identity differs from the token's
-//! binding), `denied` (unknown token), `bad_request`, `unsupported_version`. A code this
-//! client does not know is final. The calling VM is never named in the request: the service
-//! learns it out of band from the relay endpoint the connection arrived on.
+//! **final** — `expired` (the token, or on a retry the certificate already issued for this
+//! CSR), `csr_mismatch` (another CSR is already enrolled for this token), `identity_mismatch`
+//! (the caller's VM or the CSR's identity differs from the token's binding),
+//! `identity_changed`, `capacity_exhausted`, `denied` (unknown token), `bad_request`,
+//! `unsupported_version`. A code this client does not know is final. The calling VM is never
+//! named in the request: the service learns it out of band from the relay endpoint the
+//! connection arrived on.
+//!
+//! Why the two later codes are final:
+//! - `identity_changed`: the token's binding is no longer the workspace's *current* identity
+//!   (the VM was reset, so its VM UID changed, or the revocation epoch was raised), found at
+//!   enroll, on a retry, or after the commit (the result is then withheld). The identity
+//!   only moves forward, so the same token and CSR can never succeed again; only new
+//!   material can. A current-identity source that cannot be reached is not this code: it is
+//!   `unavailable` (retryable; nothing is issued meanwhile, so it still fails closed).
+//! - `capacity_exhausted`: the service's ledger is full and it denies rather than evict a
+//!   credential. Space comes back only when the platform acts or entries age out (minutes,
+//!   beyond a client's retry budget); retrying would only add load, and the material stays
+//!   valid for a later run.
 //!
 //! The request's `Debug` redacts the token. `message` is for people; clients branch only on
 //! `code`.
@@ -88,12 +102,17 @@ pub enum ErrorCode {
     Timeout,
     /// Retryable: too many requests now.
     Busy,
-    /// Final: the token has expired.
+    /// Final: the token has expired (or, on a retry, the certificate issued for the CSR).
     Expired,
     /// Final: another CSR is already enrolled for this token.
     CsrMismatch,
     /// Final: the caller's VM or the CSR's identity does not match the token's binding.
     IdentityMismatch,
+    /// Final: the token's binding is no longer the workspace's current identity (a reset
+    /// changed the VM UID, or the epoch was raised).
+    IdentityChanged,
+    /// Final: the service's ledger is full; it denies rather than evicting credentials.
+    CapacityExhausted,
     /// Final: the token is not known.
     Denied,
     /// Final: the request is malformed (including a CSR whose signature does not verify).
@@ -123,6 +142,8 @@ impl ErrorCode {
             ErrorCode::Expired => "expired",
             ErrorCode::CsrMismatch => "csr_mismatch",
             ErrorCode::IdentityMismatch => "identity_mismatch",
+            ErrorCode::IdentityChanged => "identity_changed",
+            ErrorCode::CapacityExhausted => "capacity_exhausted",
             ErrorCode::Denied => "denied",
             ErrorCode::BadRequest => "bad_request",
             ErrorCode::UnsupportedVersion => "unsupported_version",
@@ -233,13 +254,19 @@ mod tests {
             ("expired", false),
             ("csr_mismatch", false),
             ("identity_mismatch", false),
+            ("identity_changed", false),
+            ("capacity_exhausted", false),
             ("bad_request", false),
             ("something_new", false),
         ] {
             let r: Response =
                 serde_json::from_str(&format!(r#"{{"v":1,"status":"error","code":"{s}"}}"#))
                     .unwrap();
-            assert_eq!(r.code.unwrap().retryable(), retry, "{s}");
+            let code = r.code.unwrap();
+            assert_eq!(code.retryable(), retry, "{s}");
+            if s != "something_new" {
+                assert_eq!(code.as_str(), s, "a known code must keep its wire name");
+            }
         }
     }
 

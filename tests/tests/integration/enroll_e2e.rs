@@ -26,6 +26,10 @@ use guest_init::enroll::ErrorCode;
 use p256::pkcs8::DecodePrivateKey;
 use x509_parser::prelude::*;
 
+/// The reference service's seed-002 denials (current identity, expired issued
+/// certificate, capacity) as the guest sees them.
+mod denials;
+
 const VM: &str = "vm-1";
 
 fn identity(vm: &str, epoch: u64) -> Identity {

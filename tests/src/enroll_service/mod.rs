@@ -16,34 +16,53 @@
 //! - **First CSR wins, atomically**: under the ledger lock, the first valid CSR's SHA-256
 //!   and its certificate are committed; an identical CSR gets the identical certificate
 //!   bytes; any other CSR gets `csr_mismatch`.
-//! - **Expiry** is checked on every request, retries included (`expired`).
+//! - **Expiry** of the token is checked on every request, retries included (`expired`).
+//! - **Current identity**: every request, retries included, looks up the workspace's
+//!   current VM UID and epoch afresh from a controller stand-in ([`current`]); a token
+//!   bound to anything else gets `identity_changed` (final), before anything is issued. An
+//!   outage of the lookup fails closed with `unavailable` (retryable, nothing issued).
+//! - **A retry needs an unexpired issued certificate**: an identical CSR gets the committed
+//!   certificate only while that certificate's `notAfter` is ahead (`expired` otherwise).
+//! - **Rechecked after commit**: before answering, the service looks up the current
+//!   identity again and rereads its clock (token and certificate expiry), so a reset, an
+//!   epoch raise or an expiry while the request was being issued withholds the certificate
+//!   (the same codes, the message says it was withheld). The commit stays: a later retry
+//!   is judged by the same rules.
+//! - **Capacity**: with [`EnrollService::set_capacity`], a ledger holding that many
+//!   committed certificates denies a new commit with `capacity_exhausted` (final); it never
+//!   evicts a credential to make room. Answering an identical CSR needs no room.
 //!
 //! Test hooks: [`EnrollService::advance_clock`] moves the service's clock forward,
 //! [`EnrollService::stall_after_commit`] makes the next request stall after its commit and
-//! before its answer (a guest killed "between send and receive"),
-//! [`EnrollService::fail_next`] answers the next requests with a retryable code. Every
-//! request is recorded ([`EnrollService::requests`]) with its CSR, never its token.
+//! before its answer (a guest killed "between send and receive", or a reset during
+//! issuance), [`EnrollService::fail_next`] answers the next requests with a retryable code,
+//! [`EnrollService::set_current`] / [`EnrollService::remove_current`] /
+//! [`EnrollService::set_identity_outage`] drive the current-identity source,
+//! [`EnrollService::set_cert_lifetime`] shortens issued certificates. Every request is
+//! recorded ([`EnrollService::requests`]) with its CSR, never its token.
 
 use std::collections::HashMap;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
-use base64::Engine;
 use guest_init::enroll::identity::Identity;
-use guest_init::enroll::protocol::{self, ErrorCode, Request, Response};
-use rcgen::{
-    BasicConstraints, CertificateParams, CertificateSigningRequestParams, DnType,
-    ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose, SanType,
-};
+use guest_init::enroll::protocol::ErrorCode;
+use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
 use sha2::{Digest, Sha256};
 use vm_transport::Endpoint;
+
+pub mod current;
+mod rules;
+
+use current::Controller;
+pub use current::CurrentIdentity;
 
 /// The longest token lifetime the service registers.
 pub const MAX_TOKEN_LIFETIME: Duration = Duration::from_secs(15 * 60);
 
-/// How long issued certificates are valid.
+/// How long issued certificates are valid by default ([`EnrollService::set_cert_lifetime`]).
 pub const CERT_LIFETIME: Duration = Duration::from_secs(24 * 3600);
 
 /// A registration or setup failure.
@@ -64,7 +83,16 @@ pub enum ServiceError {
 struct Entry {
     binding: Identity,
     expires_at: u64,
-    committed: Option<([u8; 32], Vec<u8>)>,
+    committed: Option<Committed>,
+}
+
+/// The first CSR's hash and the certificate issued for it.
+#[derive(Clone)]
+struct Committed {
+    csr_hash: [u8; 32],
+    cert: Vec<u8>,
+    /// The certificate's `notAfter`, Unix seconds.
+    not_after: u64,
 }
 
 /// What the service saw in one request (no token).
@@ -84,6 +112,9 @@ struct Inner {
     issuer: Issuer<'static, KeyPair>,
     ca_der: Vec<u8>,
     ledger: Mutex<HashMap<[u8; 32], Entry>>,
+    controller: Controller,
+    capacity: Mutex<Option<usize>>,
+    cert_lifetime: Mutex<Duration>,
     clock_offset: Mutex<Duration>,
     stall: Mutex<Option<Arc<tokio::sync::Notify>>>,
     stalling: Mutex<Option<Arc<tokio::sync::Notify>>>,
@@ -129,6 +160,9 @@ impl EnrollService {
                 issuer,
                 ca_der,
                 ledger: Mutex::new(HashMap::new()),
+                controller: Controller::default(),
+                capacity: Mutex::new(None),
+                cert_lifetime: Mutex::new(CERT_LIFETIME),
                 clock_offset: Mutex::new(Duration::ZERO),
                 stall: Mutex::new(None),
                 stalling: Mutex::new(None),
@@ -151,8 +185,10 @@ impl EnrollService {
         self.inner.now()
     }
 
-    /// Registers a token for `binding`, valid for `lifetime` from the service's now.
-    /// Returns the expiry (Unix seconds) to put in the bootstrap material.
+    /// Registers a token for `binding`, valid for `lifetime` from the service's now, and
+    /// makes `binding` its workspace's current identity (the controller mints tokens for
+    /// the identity it holds). Returns the expiry (Unix seconds) to put in the bootstrap
+    /// material.
     pub fn register(
         &self,
         token: &str,
@@ -166,9 +202,13 @@ impl EnrollService {
         let hash: [u8; 32] = Sha256::digest(token.as_bytes()).into();
         let mut ledger = lock(&self.inner.ledger);
         match ledger.get(&hash) {
-            Some(e) if e.binding == *binding && e.expires_at == expires_at => Ok(expires_at),
+            Some(e) if e.binding == *binding && e.expires_at == expires_at => {
+                self.inner.controller.set(binding);
+                Ok(expires_at)
+            }
             Some(_) => Err(ServiceError::Rebind),
             None => {
+                self.inner.controller.set(binding);
                 ledger.insert(
                     hash,
                     Entry {
@@ -203,6 +243,41 @@ impl EnrollService {
             }
         });
         Ok(())
+    }
+
+    /// The controller changes `identity`'s workspace: its current VM UID and epoch become
+    /// `identity`'s (a reset gives a new VM UID, a revocation raises the epoch). Tokens
+    /// bound to the previous identity are refused from the next lookup on.
+    pub fn set_current(&self, identity: &Identity) {
+        self.inner.controller.set(identity);
+    }
+
+    /// The controller forgets `identity`'s workspace (deleted): its tokens are refused.
+    pub fn remove_current(&self, identity: &Identity) {
+        self.inner.controller.remove(identity);
+    }
+
+    /// Takes the current-identity source down (`true`) or back up. While it is down every
+    /// request fails closed with the retryable `unavailable`.
+    pub fn set_identity_outage(&self, down: bool) {
+        self.inner.controller.set_outage(down);
+    }
+
+    /// How many current-identity lookups the service has made (one before issuing, and
+    /// one more after the commit for a request that got a certificate that far).
+    pub fn identity_lookups(&self) -> u64 {
+        self.inner.controller.lookups()
+    }
+
+    /// At most `n` committed certificates in the ledger; a new commit beyond that is
+    /// denied with `capacity_exhausted`, never made room for by eviction.
+    pub fn set_capacity(&self, n: usize) {
+        *lock(&self.inner.capacity) = Some(n);
+    }
+
+    /// The validity of certificates issued from now on (default [`CERT_LIFETIME`]).
+    pub fn set_cert_lifetime(&self, lifetime: Duration) {
+        *lock(&self.inner.cert_lifetime) = lifetime;
     }
 
     /// Moves the service's clock forward.
@@ -247,7 +322,7 @@ impl EnrollService {
         let hash: [u8; 32] = Sha256::digest(token.as_bytes()).into();
         lock(&self.inner.ledger)
             .get(&hash)
-            .and_then(|e| e.committed.as_ref().map(|c| c.1.clone()))
+            .and_then(|e| e.committed.as_ref().map(|c| c.cert.clone()))
     }
 }
 
@@ -260,190 +335,5 @@ impl Drop for EnrollService {
         for p in lock(&self.sockets).drain(..) {
             let _ = std::fs::remove_file(p);
         }
-    }
-}
-
-impl Inner {
-    fn now(&self) -> u64 {
-        (SystemTime::now() + *lock(&self.clock_offset))
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0)
-    }
-
-    async fn serve(self: Arc<Self>, mut conn: vm_transport::Conn, vm_uid: &str) {
-        let line = tokio::time::timeout(
-            Duration::from_secs(10),
-            protocol::read_line(&mut conn, protocol::MAX_LINE),
-        )
-        .await;
-        let mut record = RequestRecord {
-            vm_uid: vm_uid.to_owned(),
-            csr: None,
-            code: None,
-            cert: None,
-        };
-        let resp = match line {
-            Err(_) => Response::error(ErrorCode::Timeout, "no request line within 10 s"),
-            Ok(Err(e)) => Response::error(ErrorCode::BadRequest, format!("request line: {e}")),
-            Ok(Ok(line)) => self.handle(&line, vm_uid, &mut record).await,
-        };
-        record.code = resp.code;
-        lock(&self.requests).push(record);
-        let _ = conn.write_all(&resp.to_line()).await;
-        let _ = conn.shutdown_write();
-    }
-
-    async fn handle(&self, line: &[u8], vm_uid: &str, record: &mut RequestRecord) -> Response {
-        let req: Request<'_> = match serde_json::from_slice(line) {
-            Ok(r) => r,
-            // serde's message may quote a value (the token): never echo it.
-            Err(e) => {
-                return Response::error(
-                    ErrorCode::BadRequest,
-                    format!("request is not protocol JSON (column {})", e.column()),
-                )
-            }
-        };
-        if req.v != protocol::VERSION {
-            return Response::error(
-                ErrorCode::UnsupportedVersion,
-                format!("version {} unsupported; use {}", req.v, protocol::VERSION),
-            );
-        }
-        if req.op != protocol::OP_ENROLL {
-            return Response::error(ErrorCode::BadRequest, "op must be \"enroll\"");
-        }
-        let Ok(csr_der) = base64::engine::general_purpose::STANDARD.decode(req.csr.as_bytes())
-        else {
-            return Response::error(ErrorCode::BadRequest, "csr is not base64");
-        };
-        record.csr = Some(csr_der.clone());
-        {
-            let mut fail = lock(&self.fail_next);
-            if fail.0 > 0 {
-                fail.0 -= 1;
-                return Response::error(fail.1, "test hook: try again");
-            }
-        }
-        let token_hash: [u8; 32] = Sha256::digest(req.token.as_bytes()).into();
-        drop(req);
-        let csr_hash: [u8; 32] = Sha256::digest(&csr_der).into();
-        // Proof of possession: the CSR's signature under its own key.
-        let csr = match CertificateSigningRequestParams::from_der(&csr_der.as_slice().into()) {
-            Ok(c) => c,
-            Err(e) => {
-                return Response::error(
-                    ErrorCode::BadRequest,
-                    format!("CSR rejected (proof of possession): {e}"),
-                )
-            }
-        };
-        let now = self.now();
-        match self.commit(&token_hash, csr_hash, csr, vm_uid, now) {
-            Ok((cert, stall)) => {
-                if let Some(n) = stall {
-                    *lock(&self.stalled) += 1;
-                    n.notified().await;
-                }
-                record.cert = Some(cert.clone());
-                Response::ok(&cert)
-            }
-            Err(resp) => resp,
-        }
-    }
-
-    /// The ledger decision, atomic under the ledger lock: checks expiry, the calling VM and
-    /// the CSR's identity, then returns the committed certificate for an identical CSR,
-    /// denies another CSR, or issues and commits the first one. Also hands out the stall
-    /// hook to the request that commits.
-    #[allow(clippy::type_complexity)]
-    fn commit(
-        &self,
-        token_hash: &[u8; 32],
-        csr_hash: [u8; 32],
-        csr: CertificateSigningRequestParams,
-        vm_uid: &str,
-        now: u64,
-    ) -> Result<(Vec<u8>, Option<Arc<tokio::sync::Notify>>), Response> {
-        let mut ledger = lock(&self.ledger);
-        let Some(entry) = ledger.get_mut(token_hash) else {
-            return Err(Response::error(
-                ErrorCode::Denied,
-                "unknown bootstrap token",
-            ));
-        };
-        if now >= entry.expires_at {
-            return Err(Response::error(
-                ErrorCode::Expired,
-                "bootstrap token expired",
-            ));
-        }
-        if entry.binding.vm_uid != vm_uid {
-            return Err(Response::error(
-                ErrorCode::IdentityMismatch,
-                "the calling VM is not the token's VM",
-            ));
-        }
-        let uris: Vec<String> = csr
-            .params
-            .subject_alt_names
-            .iter()
-            .filter_map(|s| match s {
-                SanType::URI(u) => Some(u.as_str().to_owned()),
-                _ => None,
-            })
-            .collect();
-        if uris != [entry.binding.uri()] {
-            return Err(Response::error(
-                ErrorCode::IdentityMismatch,
-                "the CSR's identity URI does not match the token's binding",
-            ));
-        }
-        match &entry.committed {
-            Some((h, cert)) if *h == csr_hash => Ok((cert.clone(), None)),
-            Some(_) => Err(Response::error(
-                ErrorCode::CsrMismatch,
-                "another CSR is already enrolled for this token",
-            )),
-            None => match self.issue(csr, &entry.binding, now) {
-                Ok(cert) => {
-                    entry.committed = Some((csr_hash, cert.clone()));
-                    Ok((cert, lock(&self.stall).take()))
-                }
-                Err(e) => Err(Response::error(
-                    ErrorCode::Unavailable,
-                    format!("issue: {e}"),
-                )),
-            },
-        }
-    }
-
-    fn issue(
-        &self,
-        csr: CertificateSigningRequestParams,
-        binding: &Identity,
-        now: u64,
-    ) -> Result<Vec<u8>, rcgen::Error> {
-        let mut params = CertificateParams::default();
-        params
-            .distinguished_name
-            .push(DnType::CommonName, format!("vm {}", binding.vm_uid));
-        params.subject_alt_names = vec![SanType::URI(binding.uri().try_into()?)];
-        let start = UNIX_EPOCH + Duration::from_secs(now.saturating_sub(60));
-        params.not_before = start.into();
-        params.not_after = (start + CERT_LIFETIME).into();
-        params.is_ca = IsCa::ExplicitNoCa;
-        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-        let mut serial = [0u8; 16];
-        serial.copy_from_slice(&Sha256::digest(format!("{now}{}", binding.uri()))[..16]);
-        serial[0] &= 0x7f;
-        params.serial_number = Some(serial.to_vec().into());
-        let csr = CertificateSigningRequestParams {
-            params,
-            public_key: csr.public_key,
-        };
-        Ok(csr.signed_by(&self.issuer)?.der().to_vec())
     }
 }
