@@ -201,3 +201,25 @@ pub fn on_each_kernel(
         failed.join(", ")
     );
 }
+
+/// Whether this host can boot the test VMs: QEMU and the cached vhost-device-vsock. Says
+/// what is missing through [`require`] (a failure under `REQUIRE_ALL=1`, else a skip).
+pub fn require_vm_host() -> bool {
+    require(have_program("qemu-system-x86_64"), "qemu-system-x86_64")
+        && require(
+            cache_dir().join("tools/bin/vhost-device-vsock").is_file(),
+            "vhost-device-vsock (.cache/tools/bin, made by scripts/setup.sh)",
+        )
+}
+
+/// An e2fsprogs tool (`debugfs`, `e2fsck`, `dumpe2fs`, `mke2fs`): on `PATH` or in the
+/// usual sbin directories, which a non-login root shell may not have on its `PATH`.
+pub fn e2fs_tool(name: &str) -> Option<PathBuf> {
+    if have_program(name) {
+        return Some(PathBuf::from(name));
+    }
+    ["/usr/sbin", "/sbin"]
+        .iter()
+        .map(|d| Path::new(d).join(name))
+        .find(|p| p.is_file())
+}

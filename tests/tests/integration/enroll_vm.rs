@@ -15,9 +15,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use e2e::enroll_service::EnrollService;
-use e2e::util::{
-    cache_dir, have_program, host_bin, musl_bin, on_each_kernel, require, test_kernels,
-};
+use e2e::util::{host_bin, musl_bin, on_each_kernel, require_vm_host, test_kernels};
 use guest_init::enroll::identity::Identity;
 use qemu_harness::{Image, RelaySpec, Vm, VmSpec};
 use serde_json::json;
@@ -32,13 +30,7 @@ const BOOTSTRAP: &str = "/etc/guest-init/bootstrap.json";
 #[test]
 fn vm_enrolls_through_vsock_and_host_relay_before_the_app_starts() {
     let _l = crate::support::heavy_lock();
-    let cache = cache_dir();
-    if !require(have_program("qemu-system-x86_64"), "qemu-system-x86_64")
-        || !require(
-            cache.join("tools/bin/vhost-device-vsock").is_file(),
-            "vhost-device-vsock (.cache/tools/bin)",
-        )
-    {
+    if !require_vm_host() {
         return;
     }
     let Some(kernels) = test_kernels() else {

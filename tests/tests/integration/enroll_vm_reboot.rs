@@ -63,7 +63,7 @@ use std::time::{Duration, Instant};
 use base64::Engine;
 use e2e::enroll_service::EnrollService;
 use e2e::util::{
-    cache_dir, have_program, host_bin, musl_bin, on_each_kernel, require, test_kernels,
+    e2fs_tool, host_bin, musl_bin, on_each_kernel, require, require_vm_host, test_kernels,
 };
 use guest_init::enroll::identity::Identity;
 use p256::pkcs8::DecodePrivateKey;
@@ -86,17 +86,6 @@ const TOKEN: &str = "tok_REBOOT_SECRET_0123456789abcdefghijklmnopqrstuv";
 /// Generous: boot-to-ready under TCG on this shared machine has been 7 to 20 s.
 const BOOT_TIMEOUT: Duration = Duration::from_secs(300);
 
-/// An e2fsprogs tool: on `PATH` or in the usual sbin directories.
-fn e2fs_tool(name: &str) -> Option<PathBuf> {
-    if have_program(name) {
-        return Some(PathBuf::from(name));
-    }
-    ["/usr/sbin", "/sbin"]
-        .iter()
-        .map(|d| Path::new(d).join(name))
-        .find(|p| p.is_file())
-}
-
 /// Everything the test needs, or `None` after `require` skipped (or failed).
 struct Tools {
     debugfs: PathBuf,
@@ -104,14 +93,9 @@ struct Tools {
 }
 
 fn check_requirements() -> Option<Tools> {
-    let cache = cache_dir();
     let debugfs = e2fs_tool("debugfs");
     let e2fsck = e2fs_tool("e2fsck");
-    let ok = require(have_program("qemu-system-x86_64"), "qemu-system-x86_64")
-        && require(
-            cache.join("tools/bin/vhost-device-vsock").is_file(),
-            "vhost-device-vsock (.cache/tools/bin)",
-        )
+    let ok = require_vm_host()
         && require(
             e2fs_tool("mke2fs").is_some() && debugfs.is_some() && e2fsck.is_some(),
             "e2fsprogs: mke2fs, debugfs, e2fsck (apt-get install e2fsprogs)",

@@ -39,9 +39,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use e2e::dovecot::{sign_in, Dovecot, DovecotOptions, SignIn};
-use e2e::util::{
-    cache_dir, have_program, host_bin, musl_bin, on_each_kernel, require, test_kernels,
-};
+use e2e::util::{host_bin, musl_bin, on_each_kernel, require, require_vm_host, test_kernels};
 use qemu_harness::{Image, Kernel, RelaySpec, Vm, VmSpec};
 use serde_json::{json, Value};
 use vm_image::initramfs::{ExtraFile, InitramfsSpec, Source};
@@ -72,12 +70,7 @@ struct Bins {
 
 /// Checks the tools (fails under REQUIRE_ALL=1, else skips) and builds the binaries.
 fn prerequisites(need_dovecot: bool) -> Option<Bins> {
-    let cache = cache_dir();
-    if !require(have_program("qemu-system-x86_64"), "qemu-system-x86_64")
-        || !require(
-            cache.join("tools/bin/vhost-device-vsock").is_file(),
-            "vhost-device-vsock (.cache/tools/bin)",
-        )
+    if !require_vm_host()
         || (need_dovecot && !require(Dovecot::available(), "dovecot (dovecot-core)"))
     {
         return None;

@@ -36,7 +36,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use e2e::util::{cache_dir, have_program, musl_bin, require};
+use e2e::util::{cache_dir, e2fs_tool, musl_bin, require, require_vm_host};
 use qemu_harness::{Image, StopReport, Vm, VmSpec};
 use serde_json::json;
 use vm_image::initramfs::InitramfsSpec;
@@ -72,29 +72,15 @@ struct Case {
     end: [&'static str; 2],
 }
 
-fn e2fs_tool(name: &str) -> Option<PathBuf> {
-    if have_program(name) {
-        return Some(PathBuf::from(name));
-    }
-    ["/usr/sbin", "/sbin"]
-        .iter()
-        .map(|d| Path::new(d).join(name))
-        .find(|p| p.is_file())
-}
-
 /// The tools, or `None` after `require` skipped (it fails under `REQUIRE_ALL=1`).
 fn tools() -> Option<(PathBuf, PathBuf)> {
     let cache = cache_dir();
     let debugfs = e2fs_tool("debugfs");
     let dumpe2fs = e2fs_tool("dumpe2fs");
-    let ok = require(have_program("qemu-system-x86_64"), "qemu-system-x86_64")
+    let ok = require_vm_host()
         && require(
             cache.join("kernel/current/vmlinuz").is_file(),
             "the guest kernel (.cache/kernel/current/vmlinuz)",
-        )
-        && require(
-            cache.join("tools/bin/vhost-device-vsock").is_file(),
-            "vhost-device-vsock (.cache/tools/bin)",
         )
         && require(
             e2fs_tool("mke2fs").is_some() && debugfs.is_some() && dumpe2fs.is_some(),
