@@ -170,6 +170,27 @@ impl Conn {
         )?)
     }
 
+    /// Waits until the peer has closed the connection entirely (`EPOLLHUP`: nothing
+    /// written here can ever be read again), as opposed to a half-close, after which the
+    /// peer may still read. Used once the other direction has ended, so that a relay
+    /// whose far end has gone stops waiting for data nobody can receive.
+    ///
+    /// It watches a duplicate of the descriptor, registered on its own, so waiting here
+    /// never takes readiness away from this connection's own reads and writes.
+    pub async fn peer_gone(&self) -> io::Result<()> {
+        let dup = self.fd.get_ref().try_clone()?;
+        let watch = register(dup, Interest::WRITABLE)?;
+        loop {
+            let mut guard = watch.writable().await?;
+            if guard.ready().is_write_closed() {
+                return Ok(());
+            }
+            // Writable but still connected: wait for the next change of state. The
+            // closed state, once it comes, is never cleared, so it cannot be missed.
+            guard.clear_ready();
+        }
+    }
+
     /// Gives the descriptor back, deregistered from tokio.
     pub fn into_owned_fd(self) -> OwnedFd {
         self.fd.into_inner()

@@ -67,8 +67,34 @@ pub async fn copy(from: &Conn, to: &Conn) -> io::Result<u64> {
 }
 
 /// Relays both directions between `a` and `b` until both have ended.
+///
+/// A direction also ends when its destination's peer has gone entirely (`HUP`) after the
+/// opposite direction ended: nothing can be delivered there any more. Without this, an
+/// app that closes its socket while the far side keeps quiet would pin the connection
+/// forever on transports that do not pass a half-close on (vhost-device-vsock 0.3.0 does
+/// not: every closed sign-in stayed open in the relay and the VMM).
 pub async fn relay(a: &Conn, b: &Conn) -> Totals {
-    let (ab, ba) = tokio::join!(copy(a, b), copy(b, a));
+    let ab = copy(a, b);
+    let ba = copy(b, a);
+    tokio::pin!(ab, ba);
+    let gone = || io::Error::new(io::ErrorKind::BrokenPipe, "the peer closed the connection");
+    let (ab, ba) = tokio::select! {
+        r = &mut ab => {
+            // `a` sent its end; `ba` writes to `a`.
+            let rest = tokio::select! {
+                r = &mut ba => r,
+                g = a.peer_gone() => Err(g.err().unwrap_or_else(gone)),
+            };
+            (r, rest)
+        }
+        r = &mut ba => {
+            let rest = tokio::select! {
+                r = &mut ab => r,
+                g = b.peer_gone() => Err(g.err().unwrap_or_else(gone)),
+            };
+            (rest, r)
+        }
+    };
     let (mut error, mut a_to_b, mut b_to_a) = (None, 0, 0);
     match ab {
         Ok(n) => a_to_b = n,
@@ -134,6 +160,52 @@ mod tests {
         let t = task.await.unwrap();
         assert_eq!(t.a_to_b, data.len() as u64);
         assert_eq!(t.b_to_a, 5);
+    }
+
+    /// The app closes its socket after its request; the service keeps its connection open
+    /// and says nothing more. Once the request's end has been passed on, the relay must
+    /// see that the app is gone and end, not wait for the service forever (a transport
+    /// that drops half-closes would otherwise pin every such connection).
+    #[tokio::test]
+    async fn a_closed_caller_ends_the_relay_though_the_service_stays_silent() {
+        let dir = tempfile::tempdir().unwrap();
+        let (client, relay_a) = pair(dir.path(), "a").await;
+        let (relay_b, server) = pair(dir.path(), "b").await;
+        let task = tokio::spawn(async move { relay(&relay_a, &relay_b).await });
+        client.write_all(b"request").await.unwrap();
+        drop(client);
+        let mut got = Vec::new();
+        while let Some(c) = server.read_pooled().await.unwrap() {
+            got.extend_from_slice(&c);
+        }
+        assert_eq!(got, b"request");
+        // `server` stays open and silent. A hang here is the bug; 30 s only bounds it.
+        let totals = tokio::time::timeout(std::time::Duration::from_secs(30), task)
+            .await
+            .expect("the relay kept a connection whose caller had gone")
+            .unwrap();
+        assert_eq!(totals.a_to_b, 7);
+        drop(server);
+    }
+
+    /// A half-close is not a close: the caller that only shut its sending side still gets
+    /// the reply, however late it comes.
+    #[tokio::test]
+    async fn a_half_closed_caller_still_gets_a_late_reply() {
+        let dir = tempfile::tempdir().unwrap();
+        let (client, relay_a) = pair(dir.path(), "a").await;
+        let (relay_b, server) = pair(dir.path(), "b").await;
+        tokio::spawn(async move { relay(&relay_a, &relay_b).await });
+        client.write_all(b"q").await.unwrap();
+        client.shutdown_write().unwrap();
+        let mut buf = [0u8; 8];
+        assert_eq!(server.read(&mut buf).await.unwrap(), 1);
+        assert_eq!(server.read(&mut buf).await.unwrap(), 0);
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        server.write_all(b"late").await.unwrap();
+        drop(server);
+        let n = client.read(&mut buf).await.unwrap();
+        assert_eq!(&buf[..n], b"late");
     }
 
     #[tokio::test]
