@@ -272,24 +272,12 @@ proptest! {
     }
 }
 
-/// A `SOCK_SEQPACKET` pair: each `send` is one record, each `recv` returns one, so a line
-/// the relay writes in two calls is seen as two reads (stream reads would coalesce them).
-fn seqpacket_pair() -> (Conn, Conn) {
-    use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
-    let (a, b) = socketpair(
-        AddressFamily::Unix,
-        SockType::SeqPacket,
-        None,
-        SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
-    )
-    .unwrap();
-    (Conn::from_owned(a).unwrap(), Conn::from_owned(b).unwrap())
-}
-
 #[tokio::test]
 async fn a_greeting_written_at_once_is_read_at_once() {
-    let (guest, guest_relay) = seqpacket_pair();
-    let (service_relay, service) = seqpacket_pair();
+    // Record sockets on both sides: a line the relay wrote in two calls would be seen
+    // as two reads (stream reads would coalesce them).
+    let (guest, guest_relay) = Conn::seqpacket_pair().unwrap();
+    let (service_relay, service) = Conn::seqpacket_pair().unwrap();
     let p = policy(RipRule::Drop);
     tokio::spawn(async move {
         let _ = host_relay::serve::dovecot_session(&guest_relay, &service_relay, &p).await;

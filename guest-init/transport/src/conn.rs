@@ -95,6 +95,20 @@ impl Conn {
         Ok(())
     }
 
+    /// A connected pair of `AF_UNIX` `SOCK_SEQPACKET` sockets. Every `send` is one record
+    /// and every `recv` returns one, so a chunk written in two calls is seen as two reads,
+    /// where stream reads coalesce whatever has arrived. For tests that must see how a
+    /// relay writes.
+    pub fn seqpacket_pair() -> io::Result<(Conn, Conn)> {
+        let (a, b) = socket::socketpair(
+            socket::AddressFamily::Unix,
+            socket::SockType::SeqPacket,
+            None,
+            socket::SockFlag::SOCK_CLOEXEC | socket::SockFlag::SOCK_NONBLOCK,
+        )?;
+        Ok((Conn::from_owned(a)?, Conn::from_owned(b)?))
+    }
+
     /// Registers a connected standard-library Unix stream.
     pub fn from_std_unix(s: std::os::unix::net::UnixStream) -> io::Result<Self> {
         Conn::from_owned(OwnedFd::from(s))

@@ -259,28 +259,13 @@ mod tests {
         drop(task.await.unwrap());
     }
 
-    /// A connected `SOCK_SEQPACKET` pair: every `send` is one record and every `recv`
-    /// returns one, so a chunk the pump splits into two writes shows up as two reads.
-    /// (`AF_UNIX` stream reads coalesce whatever has arrived, which would hide a split.)
-    pub(crate) fn seqpacket_pair() -> (Conn, Conn) {
-        use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
-        let (a, b) = socketpair(
-            AddressFamily::Unix,
-            SockType::SeqPacket,
-            None,
-            SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
-        )
-        .unwrap();
-        (Conn::from_owned(a).unwrap(), Conn::from_owned(b).unwrap())
-    }
-
     #[tokio::test]
     async fn one_chunk_is_written_whole() {
         // A greeting written in one call arrives in one read on the far side of the relay,
         // and so does a request the other way. Both far ends are record sockets, which
         // would show a split.
-        let (client, relay_a) = seqpacket_pair();
-        let (relay_b, server) = seqpacket_pair();
+        let (client, relay_a) = Conn::seqpacket_pair().unwrap();
+        let (relay_b, server) = Conn::seqpacket_pair().unwrap();
         tokio::spawn(async move { relay(&relay_a, &relay_b).await });
         let greeting =
             b"VERSION\t1\t2\nMECH\tPLAIN\tplaintext\nSPID\t1\nCUID\t1\nCOOKIE\t0123\nDONE\n";
