@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Installs everything the tests and the demo need on a fresh Debian 12 (bookworm) machine,
 # as root. Idempotent: each step is skipped when its result is already there.
-#   apt packages, the rustup musl target, vhost-device-vsock (built from crates.io),
-#   the Debian cloud guest kernels (6.1 and 6.12) with their modules, and a virtualenv
-#   with Radicale.
+#   apt packages, the rustup musl target, a nightly toolchain and cargo-fuzz (fuzzing only),
+#   vhost-device-vsock (built from crates.io), the Debian cloud guest kernels (6.1 and
+#   6.12) with their modules, and a virtualenv with Radicale.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 CACHE=${MICROVM_CACHE:-$ROOT/.cache}
@@ -30,6 +30,17 @@ fi
 if ! rustup target list --installed | grep -q x86_64-unknown-linux-musl; then
   say "rustup: adding x86_64-unknown-linux-musl"
   rustup target add x86_64-unknown-linux-musl
+fi
+
+# Fuzzing (tests/fuzz, docs/FUZZING.md) only: a nightly toolchain and cargo-fuzz. The
+# workspace itself builds on stable.
+if ! rustup run nightly rustc --version >/dev/null 2>&1; then
+  say "rustup: installing the nightly toolchain (fuzzing only)"
+  rustup toolchain install nightly --profile minimal --no-self-update
+fi
+if [ ! -x "$CACHE/tools/bin/cargo-fuzz" ]; then
+  say "building cargo-fuzz 0.13.2 (a few minutes)"
+  cargo install --quiet --locked cargo-fuzz --version 0.13.2 --root "$CACHE/tools"
 fi
 
 if [ ! -x "$CACHE/tools/bin/vhost-device-vsock" ]; then

@@ -177,7 +177,9 @@ impl Config {
                     format!("{field}.{name}")
                 };
             }
-            if field == "." {
+            // `.` is the document itself; an empty path is a top-level key that is itself
+            // empty (`{"": 1}`, found by the fuzz target `guest_config`).
+            if field == "." || field.is_empty() {
                 field = "(top level)".into();
             }
             ConfigError::Parse {
@@ -369,6 +371,23 @@ pub fn choose_path(flag: Option<&Path>, read_cmdline: bool) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Regression (fuzz target `guest_config`): an empty top-level key gave an error that
+    /// named no field at all (`: unknown field ``, ...`).
+    #[test]
+    fn an_empty_key_still_names_where() {
+        for text in [r#"{"": 1}"#, r#"{"version": 1, "": 1}"#] {
+            let e = Config::parse(text).unwrap_err();
+            let ConfigError::Parse { field, .. } = &e else {
+                panic!("{e}")
+            };
+            assert_eq!(field, "(top level)", "{e}");
+            assert!(
+                e.to_string().starts_with("(top level): unknown field"),
+                "{e}"
+            );
+        }
+    }
     use std::net::Ipv4Addr;
 
     const MINIMAL: &str = r#"{"version": 1, "app": {"command": ["/bin/true"], "user": 0}}"#;

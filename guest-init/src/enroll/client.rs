@@ -164,7 +164,14 @@ async fn attempt_inner(
     let answer = protocol::read_line(&mut conn, protocol::MAX_LINE)
         .await
         .map_err(|e| retry(format!("reading the answer from {service} failed: {e}")))?;
-    let resp: Response = serde_json::from_slice(&answer).map_err(|e| {
+    parse_answer(&answer, service)
+}
+
+/// Judges the service's answer line (without its `\n`): the DER certificate, or why not.
+/// Pure; the fuzz target `enroll_reply` drives it.
+pub fn parse_answer(answer: &[u8], service: &Endpoint) -> Result<Vec<u8>, AttemptError> {
+    let retry = |what: String| AttemptError::Retryable(what);
+    let resp: Response = serde_json::from_slice(answer).map_err(|e| {
         retry(format!(
             "the answer from {service} is not protocol JSON: {e}"
         ))

@@ -229,9 +229,41 @@ impl Material {
 
 /// Rewrites a `serde_json` message so that only our own field names survive: any other text
 /// in backticks or quotes (an input value, an unknown key) becomes `<redacted>`.
+///
+/// The one piece of input a message quotes is its first quoted text, and that text may
+/// itself hold quote characters (a key such as ``a`b``): it runs to the last quote before
+/// serde's own `, expected ...` (which lists only our names), or to the message's last
+/// quote. Pairing quotes one by one instead let such a key's middle through unredacted
+/// (found by the fuzz target `bootstrap_material`).
 pub fn redact(msg: &str) -> String {
     let mut out = String::with_capacity(msg.len());
-    let mut rest = msg;
+    let Some(i) = msg.find(['`', '"']) else {
+        return msg.to_string();
+    };
+    let q = msg.as_bytes()[i] as char;
+    out.push_str(&msg[..i]);
+    let tail = msg
+        .rfind(", expected")
+        .filter(|&e| e > i)
+        .unwrap_or(msg.len());
+    let mut rest = match msg[..tail].rfind(q).filter(|&j| j > i) {
+        Some(j) => {
+            let inner = &msg[i + 1..j];
+            if FIELDS.contains(&inner) {
+                out.push(q);
+                out.push_str(inner);
+                out.push(q);
+            } else {
+                out.push_str("<redacted>");
+            }
+            &msg[j + 1..]
+        }
+        None => {
+            out.push_str("<redacted>");
+            return out;
+        }
+    };
+    // The rest is serde's own text: pair its quotes.
     while let Some(i) = rest.find(['`', '"']) {
         let q = rest.as_bytes()[i] as char;
         out.push_str(&rest[..i]);
@@ -491,6 +523,33 @@ mod tests {
                 .to_string();
             assert!(!e.contains(TOKEN), "{e}");
         }
+    }
+
+    /// Regression (fuzz target `bootstrap_material`): a key holding backticks let the text
+    /// between them through, token-like characters included.
+    #[test]
+    fn quotes_inside_quoted_input_do_not_unredact_it() {
+        let crash = "{\"ve_____`````__tov".to_string()
+            + &"t".repeat(42)
+            + "____\":2,\""
+            + &"t".repeat(32)
+            + "\":90}";
+        for bad in [
+            crash,
+            doc("").replace("\"vm_uid\"", &format!("\"a`{TOKEN}`b\"")),
+            doc("").replace("\"vm-1\"", &format!("\"a\\\"{TOKEN}\\\"b\"")),
+            doc("").replace("\"vm-1\"", &format!("\"a\\\"{TOKEN}\\\", expected b\"")),
+        ] {
+            let e = Material::parse(bad.as_bytes(), "test")
+                .unwrap_err()
+                .to_string();
+            assert!(!e.contains("tttt") && !e.contains("SECRET"), "{bad}: {e}");
+        }
+        assert_eq!(
+            redact("unknown field `a`b`, expected one of `version`, `token`"),
+            "unknown field <redacted>, expected one of `version`, `token`"
+        );
+        assert_eq!(redact("missing field `token`"), "missing field `token`");
     }
 
     #[test]

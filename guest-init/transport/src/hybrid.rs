@@ -129,7 +129,21 @@ async fn handshake(conn: &Conn, port: u32) -> io::Result<()> {
             ));
         }
     }
-    if reply.starts_with(b"OK ") {
+    parse_reply(&reply, port)
+}
+
+/// Judges the VMM's reply line to `CONNECT <port>` (`line` without its `\n`): `Ok` for
+/// `OK <anything>`, otherwise a final refusal (`PermissionDenied`, which [`connect`] does
+/// not retry) or, over [`MAX_REPLY`] bytes, `InvalidData`. Pure; the fuzz target
+/// `hybrid_reply` drives it.
+pub fn parse_reply(line: &[u8], port: u32) -> io::Result<()> {
+    if line.len() > MAX_REPLY {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("reply to CONNECT {port} longer than {MAX_REPLY} bytes without a newline"),
+        ));
+    }
+    if line.starts_with(b"OK ") {
         Ok(())
     } else {
         Err(io::Error::new(
@@ -137,7 +151,7 @@ async fn handshake(conn: &Conn, port: u32) -> io::Result<()> {
             io::ErrorKind::PermissionDenied,
             format!(
                 "CONNECT {port} refused: reply {:?} does not start with \"OK \"",
-                String::from_utf8_lossy(&reply)
+                String::from_utf8_lossy(line)
             ),
         ))
     }
@@ -167,6 +181,28 @@ mod tests {
             line.push(b[0]);
         }
         String::from_utf8(line).unwrap()
+    }
+
+    #[test]
+    fn replies_are_judged_by_their_ok_prefix() {
+        assert!(parse_reply(b"OK 1073741824", 1024).is_ok());
+        assert!(parse_reply(b"OK ", 1024).is_ok());
+        for bad in [
+            &b"OKAY 1"[..],
+            b"OK",
+            b"",
+            b"ok 5",
+            b" OK 5",
+            b"ERR no listener",
+        ] {
+            let e = parse_reply(bad, 7).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{bad:?}");
+        }
+        let long = [b'O'; MAX_REPLY + 1];
+        assert_eq!(
+            parse_reply(&long, 7).unwrap_err().kind(),
+            io::ErrorKind::InvalidData
+        );
     }
 
     #[tokio::test]

@@ -103,11 +103,19 @@ impl Config {
     /// Parses and validates JSON text.
     pub fn parse(text: &str) -> Result<Config, ConfigError> {
         let de = &mut serde_json::Deserializer::from_str(text);
-        let config: Config =
-            serde_path_to_error::deserialize(de).map_err(|e| ConfigError::Parse {
-                field: e.path().to_string(),
+        let config: Config = serde_path_to_error::deserialize(de).map_err(|e| {
+            // An empty path is a top-level key that is itself empty (`{"": 1}`; the fuzz
+            // target `guest_config` found this in guest-init's parser): name the document,
+            // as for `.`.
+            let field = match e.path().to_string() {
+                f if f.is_empty() => ".".to_string(),
+                f => f,
+            };
+            ConfigError::Parse {
+                field,
                 source: e.into_inner(),
-            })?;
+            }
+        })?;
         config.validate()?;
         Ok(config)
     }
@@ -393,6 +401,16 @@ mod tests {
             Endpoint::Unix("/run/vm1/vm.vsock_5003".into())
         );
         assert_eq!(c.socket.mode.bits(), 0o600);
+    }
+
+    /// Regression (the gap the fuzz target `guest_config` found in guest-init's parser, here
+    /// too): an empty top-level key gave an error that named no field.
+    #[test]
+    fn an_empty_key_still_names_where() {
+        let mut v = base();
+        v[""] = 1.into();
+        let e = err(v);
+        assert!(e.starts_with(".: unknown field ``"), "{e}");
     }
 
     #[test]
