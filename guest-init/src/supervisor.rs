@@ -99,6 +99,8 @@ pub fn reap(app: Option<Pid>) -> Reaped {
         };
         if Some(pid) == app {
             r.app = Some(exit);
+        } else if crate::agent::jobs::reaped(pid, exit) {
+            debug!("reaped agent job pid={pid}");
         } else {
             r.orphans += 1;
             match exit {
@@ -162,6 +164,7 @@ fn backoff(cfg: &crate::config::RestartConfig, restart_no: u32) -> Duration {
 struct Keep {
     _forwarders: Option<crate::forward::Forwarders>,
     _control: Option<tokio::task::JoinHandle<()>>,
+    _agent: Option<tokio::task::JoinHandle<()>>,
 }
 
 /// Runs the VM's whole life: start-up, supervision and the orderly shutdown. `started` is
@@ -182,7 +185,7 @@ async fn live(cfg: &Config, started: Instant, keep: &mut Keep) -> Reason {
     };
     let (stop_tx, mut stop_rx) = mpsc::unbounded_channel();
     if let Some(c) = &cfg.control {
-        match crate::control::start(&c.listen, stop_tx) {
+        match crate::control::start(&c.listen, stop_tx.clone()) {
             Ok(h) => keep._control = Some(h),
             Err(e) => return fatal(format_args!("control.listen: {e}")),
         }
@@ -205,6 +208,12 @@ async fn live(cfg: &Config, started: Instant, keep: &mut Keep) -> Reason {
     if let Some(en) = &cfg.enrollment {
         if let Err(e) = crate::enroll::boot_step(en).await {
             return fatal(format_args!("enrollment: {e}"));
+        }
+        if let Some(a) = &cfg.agent {
+            match start_agent(a, en, started, stop_tx.clone()) {
+                Ok(h) => keep._agent = Some(h),
+                Err(e) => return fatal(e),
+            }
         }
     }
     let spec = match AppSpec::from_config(&cfg.app) {
@@ -290,6 +299,31 @@ async fn live(cfg: &Config, started: Instant, keep: &mut Keep) -> Reason {
             }
         }
     }
+}
+
+/// Starts the agent with the credentials enrollment left in force.
+fn start_agent(
+    cfg: &crate::agent::AgentConfig,
+    en: &crate::enroll::EnrollConfig,
+    started: Instant,
+    stop: mpsc::UnboundedSender<()>,
+) -> Result<tokio::task::JoinHandle<()>, String> {
+    let c = crate::enroll::credentials(en).map_err(|e| format!("agent: {e}"))?;
+    let not_after = x509_parser::parse_x509_certificate(&c.cert_der)
+        .map(|(_, x)| x.validity().not_after.timestamp())
+        .unwrap_or(0);
+    let ctx = crate::agent::Context {
+        identity: c.identity.uri(),
+        epoch: c.identity.epoch,
+        not_after,
+        cert_der: c.cert_der,
+        key: c.key,
+        ca: c.ca,
+        started,
+        stop,
+        exec_users: cfg.exec_users.clone(),
+    };
+    crate::agent::start(cfg, ctx).map_err(|e| e.to_string())
 }
 
 fn forward_signal(sig: Signal) {

@@ -373,15 +373,40 @@ async fn with_store(
     discard_refused: bool,
     f: impl for<'a> FnOnce(&'a state::Enroller<'a>) -> RunFuture<'a>,
 ) -> Result<Outcome, EnrollError> {
-    let file_store;
-    let store: &dyn KeyStore = match cfg.key_store {
-        KeyStoreKind::File => {
-            file_store = file_store::FileKeyStore::open_dir(&cfg.state_dir)?;
-            &file_store
+    let store = OpenStore::open(cfg)?;
+    f(&enroller(cfg, store.get(), discard_refused)).await
+}
+
+/// The configured key store, opened.
+enum OpenStore {
+    File(file_store::FileKeyStore),
+    Memory(&'static memory_store::MemoryKeyStore),
+}
+
+impl OpenStore {
+    fn open(cfg: &EnrollConfig) -> Result<OpenStore, EnrollError> {
+        Ok(match cfg.key_store {
+            KeyStoreKind::File => {
+                OpenStore::File(file_store::FileKeyStore::open_dir(&cfg.state_dir)?)
+            }
+            KeyStoreKind::Memory => OpenStore::Memory(memory_store()?),
+        })
+    }
+
+    fn get(&self) -> &dyn KeyStore {
+        match self {
+            OpenStore::File(s) => s,
+            OpenStore::Memory(s) => *s,
         }
-        KeyStoreKind::Memory => memory_store()?,
-    };
-    let enroller = state::Enroller {
+    }
+}
+
+fn enroller<'a>(
+    cfg: &EnrollConfig,
+    store: &'a dyn KeyStore,
+    discard_refused: bool,
+) -> state::Enroller<'a> {
+    state::Enroller {
         state_dir: cfg.state_dir.clone(),
         publish_dir: cfg.publish_dir.clone(),
         store,
@@ -389,8 +414,25 @@ async fn with_store(
         timeout: Duration::from_millis(cfg.timeout_ms),
         retry: cfg.retry.clone(),
         discard_refused,
-    };
-    f(&enroller).await
+    }
+}
+
+/// The enrolled credentials the agent serves with.
+pub struct Credentials {
+    /// The identity in force.
+    pub identity: identity::Identity,
+    /// Its key, in the key store.
+    pub key: std::sync::Arc<dyn keystore::MachineKey>,
+    /// Its certificate (DER).
+    pub cert_der: Vec<u8>,
+    /// The management CA it was verified against.
+    pub ca: ca::ManagementCa,
+}
+
+/// The credentials in force after [`boot_step`] succeeded.
+pub fn credentials(cfg: &EnrollConfig) -> Result<Credentials, EnrollError> {
+    let store = OpenStore::open(cfg)?;
+    enroller(cfg, store.get(), false).credentials()
 }
 
 /// The boot step: called by PID 1 after the forwarders are up and before the app starts.

@@ -187,6 +187,37 @@ impl EnrollService {
         base64::engine::general_purpose::STANDARD.encode(&self.inner.ca_der)
     }
 
+    /// The bootstrap material for `token` and `binding` (what the platform stages per
+    /// clone), pinning this service's CA, with the guest dialing `port`.
+    pub fn material(
+        &self,
+        token: &str,
+        binding: &Identity,
+        expires_at: u64,
+        port: u32,
+    ) -> serde_json::Value {
+        serde_json::json!({
+            "version": 1,
+            "workspace_namespace": binding.workspace_namespace,
+            "workspace_name": binding.workspace_name,
+            "workspace_uid": binding.workspace_uid,
+            "vm_uid": binding.vm_uid,
+            "revocation_epoch": binding.epoch,
+            "token": token,
+            "expires_at": expires_at,
+            "enrollment_port": port,
+            "management_ca": self.management_ca_b64(),
+        })
+    }
+
+    /// An operator client certificate for the agent, issued by this service's CA (the
+    /// management CA): one URI name `uri` (e.g. `urn:hop3:operator:alice:role:operator`),
+    /// `clientAuth`, valid from `from` to `to` seconds around now. Returns the certificate
+    /// and its private key (PKCS#8), both DER.
+    pub fn issue_operator(&self, uri: &str, from: i64, to: i64) -> (Vec<u8>, Vec<u8>) {
+        issue_client(&self.inner.issuer, uri, from, to)
+    }
+
     /// The service's current time (real time plus [`EnrollService::advance_clock`]).
     pub fn now(&self) -> u64 {
         self.inner.now()
@@ -331,6 +362,38 @@ impl EnrollService {
             .get(&hash)
             .and_then(|e| e.committed.as_ref().map(|c| c.cert.clone()))
     }
+}
+
+/// Signs a client certificate for a fresh P-256 key with `issuer`.
+fn issue_client(
+    issuer: &Issuer<'static, KeyPair>,
+    uri: &str,
+    from: i64,
+    to: i64,
+) -> (Vec<u8>, Vec<u8>) {
+    let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).expect("generate a key");
+    let mut p = CertificateParams::default();
+    p.distinguished_name.push(DnType::CommonName, "operator");
+    p.subject_alt_names = vec![rcgen::SanType::URI(
+        uri.to_owned().try_into().expect("an IA5 URI"),
+    )];
+    let at = |d: i64| {
+        let now = std::time::SystemTime::now();
+        if d >= 0 {
+            now + Duration::from_secs(d as u64)
+        } else {
+            now - Duration::from_secs(d.unsigned_abs())
+        }
+    };
+    p.not_before = at(from).into();
+    p.not_after = at(to).into();
+    p.is_ca = IsCa::ExplicitNoCa;
+    p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    p.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+    let cert = p
+        .signed_by(&key, issuer)
+        .expect("sign the operator certificate");
+    (cert.der().to_vec(), key.serialize_der())
 }
 
 impl Drop for EnrollService {

@@ -386,18 +386,7 @@ fn a_reboot_mid_enrollment_resumes_from_the_virtio_blk_disk_with_the_identical_c
         let expires = svc
             .register(TOKEN, &id, Duration::from_secs(15 * 60))
             .unwrap();
-        let material = json!({
-            "version": 1,
-            "workspace_namespace": id.workspace_namespace,
-            "workspace_name": id.workspace_name,
-            "workspace_uid": id.workspace_uid,
-            "vm_uid": id.vm_uid,
-            "revocation_epoch": id.epoch,
-            "token": TOKEN,
-            "expires_at": expires,
-            "enrollment_port": ENROLL_PORT,
-            "management_ca": svc.management_ca_b64(),
-        });
+        let material = svc.material(TOKEN, &id, expires, ENROLL_PORT);
 
         // The root disk: the app and the bootstrap material; the guest adds its state.
         let tree = work.path().join("root");

@@ -8,6 +8,7 @@
 
 mod support;
 
+mod agent_e2e;
 mod bench_smoke;
 mod enroll_e2e;
 mod enroll_vm;

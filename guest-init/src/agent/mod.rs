@@ -1,0 +1,308 @@
+//! The agent: an authenticated management channel into the VM.
+//!
+//! The control port ([`crate::control`]) trusts whoever reaches it from the host, and can
+//! only stop the VM. The agent is the management surface that does more (`status`,
+//! `stop`, `exec`), so it authenticates both ends with mutual TLS 1.3:
+//! - the guest presents its **enrolled certificate**, signing through the key store (a TPM
+//!   key never leaves the TPM) — [`tls`];
+//! - the client must present an **operator certificate** issued by the **pinned
+//!   management CA** of the bootstrap material, naming a role that allows the operation —
+//!   [`tls`];
+//! - one JSON request and one JSON answer per stream — [`ops`], with `exec` in [`exec`]
+//!   and [`jobs`];
+//! - the crypto is our own small RustCrypto provider, no C — [`crypto`].
+//!
+//! The listener (usually vsock, e.g. port 1025) admits only the host: vsock peer CID 2, as
+//! the control port does ([`crate::control::admit`]); a Unix path (tests) is created
+//! `0600`. Every refusal is logged with the peer and its own reason: not the host, no
+//! client certificate, wrong CA, expired, not an operator certificate, no accepted role
+//! (all at the handshake, as the matching TLS alert), role not allowed for the operation,
+//! malformed request (after it, as a JSON error). A handshake must finish within
+//! [`HANDSHAKE_TIMEOUT`] and the request arrive within [`REQUEST_TIMEOUT`].
+//!
+//! Threat model (docs/AGENT.md has the whole of it): any host process can connect to the
+//! VM's vsock ports, so reaching the port proves nothing; the operator's certificate is
+//! what authorizes, and the guest's certificate is what tells the operator it reached the
+//! VM it meant (the host side checks it against the current identity).
+
+pub mod crypto;
+pub mod exec;
+pub mod jobs;
+pub mod ops;
+pub mod tls;
+
+use std::os::unix::fs::PermissionsExt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::enroll::ca::ManagementCa;
+use crate::enroll::keystore::MachineKey;
+use ops::{Answer, Code, Op};
+use vm_transport::{Endpoint, Peer};
+
+/// How long a client may take to finish the handshake.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a client may take to send its request after the handshake.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The `agent` section of the configuration.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentConfig {
+    /// Where to listen, e.g. `{"vsock": {"cid": 4294967295, "port": 1025}}`.
+    pub listen: Endpoint,
+    /// Users `exec` may run as, by name (root only if listed). Empty: no `exec`.
+    #[serde(default)]
+    pub exec_users: Vec<String>,
+}
+
+/// Checks the section; `Err` names the field.
+pub fn validate(cfg: &AgentConfig) -> Result<(), String> {
+    cfg.listen.validate().map_err(|e| format!("listen: {e}"))?;
+    if let Endpoint::Tcp(_) = cfg.listen {
+        return Err("listen: TCP is not allowed (any peer could reach it); use vsock".into());
+    }
+    for u in &cfg.exec_users {
+        let ok = !u.is_empty()
+            && u.len() <= 32
+            && u.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
+        if !ok {
+            return Err(format!("exec_users: {u:?} is not a user name"));
+        }
+    }
+    Ok(())
+}
+
+/// What the agent serves with: the enrolled credentials and the VM's state.
+pub struct Context {
+    /// The enrolled certificate (DER).
+    pub cert_der: Vec<u8>,
+    /// The enrolled key, in its key store.
+    pub key: Arc<dyn MachineKey>,
+    /// The pinned management CA.
+    pub ca: ManagementCa,
+    /// The identity URI.
+    pub identity: String,
+    /// The revocation epoch.
+    pub epoch: u64,
+    /// The certificate's `notAfter`, Unix seconds.
+    pub not_after: i64,
+    /// When guest-init started.
+    pub started: Instant,
+    /// Asks the supervisor for the orderly shutdown.
+    pub stop: UnboundedSender<()>,
+    /// Users `exec` may run as.
+    pub exec_users: Vec<String>,
+}
+
+/// An agent that could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// The listener.
+    #[error("agent.listen: cannot listen at {endpoint}: {source}")]
+    Listen {
+        /// Where.
+        endpoint: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The TLS configuration.
+    #[error("agent: TLS setup: {0}")]
+    Tls(#[from] rustls::Error),
+}
+
+/// Binds the listener and spawns the accept loop on the current runtime.
+pub fn start(cfg: &AgentConfig, ctx: Context) -> Result<tokio::task::JoinHandle<()>, AgentError> {
+    let tls = tls::server_config(ctx.cert_der.clone(), ctx.key.clone(), ctx.ca.clone())?;
+    let ep = &cfg.listen;
+    let err = |source| AgentError::Listen {
+        endpoint: ep.to_string(),
+        source,
+    };
+    if let Some(path) = ep.unix_path() {
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent).map_err(err)?;
+        }
+        crate::enroll::push::remove_stale_socket(path).map_err(err)?;
+    }
+    let listener = ep.listen().map_err(err)?;
+    if let Some(path) = ep.unix_path() {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(err)?;
+    }
+    crate::info!(
+        "agent: listening at {ep} as {} (operators of {})",
+        ctx.identity,
+        ctx.ca.subject()
+    );
+    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+    let ctx = Arc::new(ctx);
+    Ok(tokio::spawn(async move {
+        loop {
+            let (conn, peer) = match listener.accept().await {
+                Ok(c) => c,
+                Err(e) => {
+                    crate::warn!("agent: accept: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            if !crate::control::admit(&peer) {
+                crate::warn!(
+                    "agent: refused {peer}: not the host (only vsock CID 2 may manage this VM)"
+                );
+                continue;
+            }
+            let acceptor = acceptor.clone();
+            let ctx = ctx.clone();
+            tokio::spawn(async move { serve(acceptor, conn, peer, ctx).await });
+        }
+    }))
+}
+
+async fn serve(
+    acceptor: tokio_rustls::TlsAcceptor,
+    conn: vm_transport::Conn,
+    peer: Peer,
+    ctx: Arc<Context>,
+) {
+    let mut tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(conn)).await {
+        Err(_) => {
+            crate::warn!("agent: refused {peer}: no handshake within {HANDSHAKE_TIMEOUT:?}");
+            return;
+        }
+        Ok(Err(e)) => {
+            crate::warn!("agent: refused {peer}: {}", handshake_reason(&e));
+            return;
+        }
+        Ok(Ok(s)) => s,
+    };
+    let Some(operator) = operator_of(&tls) else {
+        // Unreachable after the verifier admitted the certificate; refuse all the same.
+        crate::warn!("agent: refused {peer}: the admitted certificate names no role");
+        return;
+    };
+    let answer = match tokio::time::timeout(REQUEST_TIMEOUT, read_line(&mut tls)).await {
+        Err(_) => Answer::error(
+            Code::MalformedRequest,
+            format!("no request within {REQUEST_TIMEOUT:?}"),
+        ),
+        Ok(Err(e)) => Answer::error(Code::MalformedRequest, e),
+        Ok(Ok(line)) => match Op::parse(&line) {
+            Err(e) => Answer::error(Code::MalformedRequest, e),
+            Ok(op) if !operator.role.allows(op.name()) => Answer::error(
+                Code::RoleNotAllowed,
+                format!(
+                    "role {} does not allow {}",
+                    operator.role.as_str(),
+                    op.name()
+                ),
+            ),
+            Ok(op) => {
+                crate::info!(
+                    "agent: {} ({}) from {peer}: {}",
+                    operator.name,
+                    operator.role.as_str(),
+                    op.name()
+                );
+                dispatch(op, &ctx).await
+            }
+        },
+    };
+    if let Some(code) = answer.code {
+        crate::warn!(
+            "agent: refused a request from {} at {peer}: {code:?}: {}",
+            operator.name,
+            answer.message.as_deref().unwrap_or_default()
+        );
+    }
+    let _ = tls.write_all(&answer.to_line()).await;
+    let _ = tls.shutdown().await;
+}
+
+/// The operator named by the session's client certificate (already verified).
+fn operator_of(tls: &tokio_rustls::server::TlsStream<vm_transport::Conn>) -> Option<tls::Operator> {
+    let cert = tls.get_ref().1.peer_certificates()?.first()?;
+    let (_, c) = x509_parser::parse_x509_certificate(cert).ok()?;
+    let san = c.subject_alternative_name().ok()??;
+    san.value.general_names.iter().find_map(|n| match n {
+        x509_parser::extensions::GeneralName::URI(u) => tls::parse_operator_uri(u).ok(),
+        _ => None,
+    })
+}
+
+/// Why a handshake failed, in the words of the refusal list.
+fn handshake_reason(e: &std::io::Error) -> String {
+    use rustls::{CertificateError as C, Error as E};
+    let inner = e.get_ref().and_then(|i| i.downcast_ref::<E>());
+    match inner {
+        Some(E::NoCertificatesPresented) => "no client certificate".into(),
+        Some(E::InvalidCertificate(C::UnknownIssuer)) => {
+            "wrong CA (the client certificate is not from the pinned management CA)".into()
+        }
+        Some(E::InvalidCertificate(C::Expired)) => "expired client certificate".into(),
+        Some(E::InvalidCertificate(C::NotValidYet)) => "client certificate not valid yet".into(),
+        Some(E::InvalidCertificate(C::InvalidPurpose)) => "not an operator certificate".into(),
+        Some(E::InvalidCertificate(C::ApplicationVerificationFailure)) => {
+            "no accepted role in the client certificate".into()
+        }
+        Some(other) => format!("TLS: {other}"),
+        None => format!("handshake: {e}"),
+    }
+}
+
+/// Reads one request line (bounded); the newline is dropped.
+async fn read_line<R: tokio::io::AsyncRead + Unpin>(r: &mut R) -> Result<Vec<u8>, String> {
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 4096];
+    loop {
+        let n = r
+            .read(&mut chunk)
+            .await
+            .map_err(|e| format!("reading the request: {e}"))?;
+        if n == 0 {
+            return Err("the stream ended before a complete request line".into());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if let Some(i) = buf.iter().position(|&b| b == b'\n') {
+            buf.truncate(i);
+            return Ok(buf);
+        }
+        if buf.len() >= ops::MAX_REQUEST {
+            return Err(format!(
+                "the request is longer than {} bytes",
+                ops::MAX_REQUEST
+            ));
+        }
+    }
+}
+
+async fn dispatch(op: Op, ctx: &Context) -> Answer {
+    match op {
+        Op::Status { .. } => Answer::ok(serde_json::json!({
+            "identity": ctx.identity,
+            "epoch": ctx.epoch,
+            "not_after": ctx.not_after,
+            "app": match crate::shutdown::app() {
+                Some(pid) => format!("running (pid {pid})"),
+                None => "not running".to_string(),
+            },
+            "uptime_ms": ctx.started.elapsed().as_millis() as u64,
+        })),
+        Op::Stop { .. } => {
+            let _ = ctx.stop.send(());
+            Answer::ok(serde_json::json!({"stopping": true}))
+        }
+        Op::Exec {
+            user,
+            argv,
+            deadline_ms,
+            ..
+        } => exec::run(&user, &argv, deadline_ms, &ctx.exec_users).await,
+    }
+}
