@@ -306,3 +306,52 @@ async fn dispatch(op: Op, ctx: &Context) -> Answer {
         } => exec::run(&user, &argv, deadline_ms, &ctx.exec_users).await,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::config::Config;
+
+    fn config(extra: serde_json::Value) -> Result<(), String> {
+        let mut v = serde_json::json!({
+            "version": 1,
+            "app": {"command": ["/bin/true"], "user": 0},
+            "agent": {"listen": {"unix": "/run/agent.sock"}, "exec_users": ["nobody"]},
+        });
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        Config::parse(&v.to_string())
+            .map_err(|e| e.to_string())?
+            .validate()
+            .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn the_agent_needs_enrollment_and_turns_the_control_port_off() {
+        let enrollment = serde_json::json!({"bootstrap": {"file": "/b.json"}});
+        let e = config(serde_json::json!({})).unwrap_err();
+        assert!(
+            e.contains("agent") && e.contains("needs the enrollment section"),
+            "{e}"
+        );
+        config(serde_json::json!({"enrollment": enrollment})).unwrap();
+        let control = serde_json::json!({"listen": {"unix": "/run/control.sock"}});
+        let e =
+            config(serde_json::json!({"enrollment": enrollment, "control": control})).unwrap_err();
+        assert!(e.contains("control") && e.contains("with_agent"), "{e}");
+        let kept = serde_json::json!({"listen": {"unix": "/run/control.sock"}, "with_agent": true});
+        config(serde_json::json!({"enrollment": enrollment, "control": kept})).unwrap();
+        let e = config(serde_json::json!({
+            "enrollment": enrollment,
+            "agent": {"listen": {"tcp": "127.0.0.1:9"}},
+        }))
+        .unwrap_err();
+        assert!(e.contains("agent") && e.contains("TCP"), "{e}");
+        let e = config(serde_json::json!({
+            "enrollment": enrollment,
+            "agent": {"listen": {"unix": "/run/a.sock"}, "exec_users": ["a b"]},
+        }))
+        .unwrap_err();
+        assert!(e.contains("exec_users"), "{e}");
+    }
+}

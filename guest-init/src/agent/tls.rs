@@ -329,3 +329,103 @@ pub fn server_config(
         .with_cert_resolver(Arc::new(Enrolled(certified)));
     Ok(Arc::new(config))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::enroll::ca::tests::TestCa;
+    use crate::enroll::keystore::P256Key;
+
+    fn now() -> i64 {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_secs() as i64
+    }
+
+    fn operator_cert(
+        ca: &TestCa,
+        uris: &[&str],
+        edit: impl FnOnce(&mut rcgen::CertificateParams),
+    ) -> Vec<u8> {
+        let key = P256Key::generate("test").unwrap();
+        let mut p = rcgen::CertificateParams::default();
+        p.serial_number = Some(vec![7].into());
+        p.subject_alt_names = uris
+            .iter()
+            .map(|u| rcgen::SanType::URI(u.to_string().try_into().unwrap()))
+            .collect();
+        p.is_ca = rcgen::IsCa::ExplicitNoCa;
+        p.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+        let t = SystemTime::now();
+        p.not_before = (t - std::time::Duration::from_secs(60)).into();
+        p.not_after = (t + std::time::Duration::from_secs(3600)).into();
+        edit(&mut p);
+        ca.issue(p, &key)
+    }
+
+    #[test]
+    fn the_operator_profile_admits_one_role_from_the_pinned_ca() {
+        let ca = TestCa::new("management CA");
+        let ok = operator_cert(&ca, &["urn:hop3:operator:alice:role:operator"], |_| {});
+        assert_eq!(
+            check_operator(&ca.pin, &ok, now()).unwrap(),
+            Operator {
+                name: "alice".into(),
+                role: Role::Operator
+            }
+        );
+        let rogue = TestCa::new("management CA");
+        let other = operator_cert(&rogue, &["urn:hop3:operator:alice:role:operator"], |_| {});
+        assert!(matches!(
+            check_operator(&ca.pin, &other, now()),
+            Err(Refusal::WrongCa(_))
+        ));
+        let two = operator_cert(
+            &ca,
+            &[
+                "urn:hop3:operator:alice:role:reader",
+                "urn:hop3:operator:alice:role:operator",
+            ],
+            |_| {},
+        );
+        assert!(matches!(
+            check_operator(&ca.pin, &two, now()),
+            Err(Refusal::Role(_))
+        ));
+        let server_only = operator_cert(&ca, &["urn:hop3:operator:a:role:operator"], |p| {
+            p.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth]
+        });
+        assert!(matches!(
+            check_operator(&ca.pin, &server_only, now()),
+            Err(Refusal::Profile(_))
+        ));
+        // Expired now; fine an hour ago; 20 minutes before notBefore is too early.
+        assert!(matches!(
+            check_operator(&ca.pin, &ok, now() + 3601),
+            Err(Refusal::Expired(_))
+        ));
+        assert!(matches!(
+            check_operator(&ca.pin, &ok, now() - 60 - 20 * 60),
+            Err(Refusal::NotYetValid(_))
+        ));
+    }
+
+    #[test]
+    fn roles_and_names_are_strict() {
+        for bad in [
+            "urn:hop3:operator:alice",
+            "urn:hop3:operator::role:operator",
+            "urn:hop3:operator:al ice:role:operator",
+            "urn:hop3:operator:alice:role:admin",
+            "urn:hop3:workspace:alice:role:operator",
+        ] {
+            assert!(parse_operator_uri(bad).is_err(), "{bad}");
+        }
+        let r = parse_operator_uri("urn:hop3:operator:ci-bot@team.a:role:reader").unwrap();
+        assert_eq!(r.role, Role::Reader);
+        assert!(r.role.allows("status"));
+        assert!(!r.role.allows("exec") && !r.role.allows("stop"));
+        assert!(Role::Operator.allows("exec") && Role::Operator.allows("stop"));
+    }
+}

@@ -215,7 +215,24 @@ impl EnrollService {
     /// `clientAuth`, valid from `from` to `to` seconds around now. Returns the certificate
     /// and its private key (PKCS#8), both DER.
     pub fn issue_operator(&self, uri: &str, from: i64, to: i64) -> (Vec<u8>, Vec<u8>) {
-        issue_client(&self.inner.issuer, uri, from, to)
+        self.issue_with_usages(
+            uri,
+            from,
+            to,
+            vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth],
+        )
+    }
+
+    /// As [`EnrollService::issue_operator`], with these extended key usages instead of
+    /// `clientAuth` (a certificate for another purpose).
+    pub fn issue_with_usages(
+        &self,
+        uri: &str,
+        from: i64,
+        to: i64,
+        usages: Vec<rcgen::ExtendedKeyUsagePurpose>,
+    ) -> (Vec<u8>, Vec<u8>) {
+        issue_client(&self.inner.issuer, uri, from, to, usages)
     }
 
     /// The service's current time (real time plus [`EnrollService::advance_clock`]).
@@ -370,6 +387,7 @@ fn issue_client(
     uri: &str,
     from: i64,
     to: i64,
+    usages: Vec<rcgen::ExtendedKeyUsagePurpose>,
 ) -> (Vec<u8>, Vec<u8>) {
     let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).expect("generate a key");
     let mut p = CertificateParams::default();
@@ -389,7 +407,7 @@ fn issue_client(
     p.not_after = at(to).into();
     p.is_ca = IsCa::ExplicitNoCa;
     p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-    p.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+    p.extended_key_usages = usages;
     let cert = p
         .signed_by(&key, issuer)
         .expect("sign the operator certificate");

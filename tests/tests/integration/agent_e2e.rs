@@ -373,6 +373,17 @@ fn each_refusal_has_its_own_reason() {
             "expired client certificate",
         ),
         (
+            "not for client authentication",
+            Some(g.svc.issue_with_usages(
+                "urn:hop3:operator:erin:role:operator",
+                -60,
+                3600,
+                vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth],
+            )),
+            "UnsupportedCertificate",
+            "not an operator certificate",
+        ),
+        (
             "no role",
             Some(g.svc.issue_operator("urn:hop3:operator:carol", -60, 3600)),
             "AccessDenied",
@@ -409,4 +420,110 @@ fn each_refusal_has_its_own_reason() {
         "{log}"
     );
     assert!(log.contains("MalformedRequest"), "{log}");
+}
+
+fn pem(label: &str, der: &[u8]) -> String {
+    let b = base64::engine::general_purpose::STANDARD.encode(der);
+    let lines: Vec<&str> = b
+        .as_bytes()
+        .chunks(64)
+        .map(|c| std::str::from_utf8(c).unwrap())
+        .collect();
+    format!(
+        "-----BEGIN {label}-----\n{}\n-----END {label}-----\n",
+        lines.join("\n")
+    )
+}
+
+/// `host-relay agent` against the guest, with the current identity as `current` says.
+fn host_client(g: &Guest, operator: &Credential, current: &str, op: &[&str]) -> (i32, String) {
+    let d = g.dir.path();
+    std::fs::write(d.join("op.crt"), pem("CERTIFICATE", &operator.0)).unwrap();
+    std::fs::write(d.join("op.key"), pem("PRIVATE KEY", &operator.1)).unwrap();
+    std::fs::write(d.join("ca.crt"), pem("CERTIFICATE", g.svc.ca_der())).unwrap();
+    std::fs::write(d.join("current.json"), current).unwrap();
+    let out = Command::new(host_bin("host-relay"))
+        .arg("agent")
+        .arg("--unix")
+        .arg(g.sock())
+        .args(["--cert", "op.crt", "--key", "op.key", "--ca", "ca.crt"])
+        .args(["--current-identity", "current.json"])
+        .args(op)
+        .current_dir(d)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+fn current(id: &Identity, vm_uid: &str, epoch: u64) -> String {
+    serde_json::json!({
+        "workspace_namespace": id.workspace_namespace,
+        "workspace_name": id.workspace_name,
+        "workspace_uid": id.workspace_uid,
+        "vm_uid": vm_uid,
+        "epoch": epoch,
+    })
+    .to_string()
+}
+
+#[test]
+fn the_host_client_talks_only_to_the_current_identity() {
+    let g = Guest::start();
+    let operator = g
+        .svc
+        .issue_operator("urn:hop3:operator:ops:role:operator", -60, 3600);
+    let served = || g.log().matches("agent: ops (operator) from unix").count();
+
+    let (code, out) = host_client(&g, &operator, &current(&g.id, "vm-1", 7), &["status"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains(&g.id.uri()), "{out}");
+    let (code, out) = host_client(
+        &g,
+        &operator,
+        &current(&g.id, "vm-1", 7),
+        &["exec", "--user", "nobody", "--", "/bin/echo", "hello"],
+    );
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains(&base64::engine::general_purpose::STANDARD.encode("hello\n")));
+    assert_eq!(served(), 2);
+
+    // The controller raised the epoch, or reset the VM: the guest's certificate is for a
+    // generation that is no longer current. Refused before any request is sent.
+    for (current, why) in [
+        (current(&g.id, "vm-1", 8), "epoch:8"),
+        (current(&g.id, "vm-2", 7), "vm:vm-2"),
+        ("{\"epoch\": 7".to_string(), "not the documented JSON"),
+        (
+            current(&g.id, "vm-1", 7).replace("\"vm-1\"", "\"vm/1\""),
+            "vm_uid",
+        ),
+    ] {
+        let (code, out) = host_client(&g, &operator, &current, &["stop"]);
+        assert_eq!(code, 2, "{current}: {out}");
+        assert!(
+            out.contains("handshake refused") && out.contains(why),
+            "{out}"
+        );
+    }
+    std::fs::remove_file(g.dir.path().join("current.json")).unwrap();
+    let out = Command::new(host_bin("host-relay"))
+        .arg("agent")
+        .arg("--unix")
+        .arg(g.sock())
+        .args(["--cert", "op.crt", "--key", "op.key", "--ca", "ca.crt"])
+        .args(["--current-identity", "current.json", "stop"])
+        .current_dir(g.dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read"));
+    assert_eq!(served(), 2, "a request reached the guest");
+    assert!(!g.log().contains("shutdown"), "the VM was stopped");
 }
