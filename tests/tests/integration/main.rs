@@ -9,6 +9,7 @@
 mod support;
 
 mod agent_e2e;
+mod agent_vm;
 mod bench_smoke;
 mod enroll_e2e;
 mod enroll_vm;
