@@ -165,6 +165,7 @@ struct Keep {
     _forwarders: Option<crate::forward::Forwarders>,
     _control: Option<tokio::task::JoinHandle<()>>,
     _agent: Option<tokio::task::JoinHandle<()>>,
+    _reenroll: Option<tokio::task::JoinHandle<()>>,
 }
 
 /// Runs the VM's whole life: start-up, supervision and the orderly shutdown. `started` is
@@ -209,11 +210,18 @@ async fn live(cfg: &Config, started: Instant, keep: &mut Keep) -> Reason {
         if let Err(e) = crate::enroll::boot_step(en).await {
             return fatal(format_args!("enrollment: {e}"));
         }
+        let mut agent = None;
         if let Some(a) = &cfg.agent {
             match start_agent(a, en, started, stop_tx.clone()) {
-                Ok(h) => keep._agent = Some(h),
+                Ok((task, handle)) => {
+                    keep._agent = Some(task);
+                    agent = Some(handle);
+                }
                 Err(e) => return fatal(e),
             }
+        }
+        if matches!(en.bootstrap, crate::enroll::BootstrapSource::Push { .. }) {
+            keep._reenroll = Some(tokio::spawn(reenroll_on_push(en.clone(), agent)));
         }
     }
     let spec = match AppSpec::from_config(&cfg.app) {
@@ -307,23 +315,36 @@ fn start_agent(
     en: &crate::enroll::EnrollConfig,
     started: Instant,
     stop: mpsc::UnboundedSender<()>,
-) -> Result<tokio::task::JoinHandle<()>, String> {
+) -> Result<(tokio::task::JoinHandle<()>, crate::agent::Handle), String> {
     let c = crate::enroll::credentials(en).map_err(|e| format!("agent: {e}"))?;
-    let not_after = x509_parser::parse_x509_certificate(&c.cert_der)
-        .map(|(_, x)| x.validity().not_after.timestamp())
-        .unwrap_or(0);
     let ctx = crate::agent::Context {
-        identity: c.identity.uri(),
-        epoch: c.identity.epoch,
-        not_after,
-        cert_der: c.cert_der,
-        key: c.key,
-        ca: c.ca,
+        ca: c.ca.clone(),
+        served: crate::agent::Served::from_credentials(c),
         started,
         stop,
         exec_users: cfg.exec_users.clone(),
     };
     crate::agent::start(cfg, ctx).map_err(|e| e.to_string())
+}
+
+/// With a push source, enrollment goes on after boot: each pushed document is enrolled,
+/// and when it changes the identity (a raised epoch: a new key and certificate) the agent
+/// rotates to it. A refused document changes nothing.
+async fn reenroll_on_push(en: crate::enroll::EnrollConfig, agent: Option<crate::agent::Handle>) {
+    loop {
+        match crate::enroll::next_push(&en).await {
+            Ok(Some(c)) => {
+                if let Some(a) = &agent {
+                    a.rotate(crate::agent::Served::from_credentials(c)).await;
+                }
+            }
+            Ok(None) => {}
+            Err(e) => {
+                warn!("enroll: pushed material not enrolled ({e}); the current identity stays");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
 }
 
 fn forward_signal(sig: Signal) {

@@ -148,7 +148,9 @@ impl KillOnDrop {
 impl Drop for KillOnDrop {
     fn drop(&mut self) {
         if let Some(pid) = self.0 {
-            crate::warn!("agent: job {pid} abandoned by its connection; killing its process group");
+            crate::warn!(
+                "agent: job {pid} killed (its process group): its connection ended or its identity was revoked"
+            );
             jobs::kill(pid);
         }
     }

@@ -78,20 +78,43 @@ pub fn validate(cfg: &AgentConfig) -> Result<(), String> {
     Ok(())
 }
 
-/// What the agent serves with: the enrolled credentials and the VM's state.
-pub struct Context {
+/// The identity the agent serves as: one generation, replaced whole on re-enrollment
+/// ([`Handle::rotate`]).
+pub struct Served {
     /// The enrolled certificate (DER).
     pub cert_der: Vec<u8>,
     /// The enrolled key, in its key store.
     pub key: Arc<dyn MachineKey>,
-    /// The pinned management CA.
-    pub ca: ManagementCa,
     /// The identity URI.
     pub identity: String,
     /// The revocation epoch.
     pub epoch: u64,
     /// The certificate's `notAfter`, Unix seconds.
     pub not_after: i64,
+}
+
+impl Served {
+    /// The identity enrollment left in force.
+    pub fn from_credentials(c: crate::enroll::Credentials) -> Served {
+        let not_after = x509_parser::parse_x509_certificate(&c.cert_der)
+            .map(|(_, x)| x.validity().not_after.timestamp())
+            .unwrap_or(0);
+        Served {
+            identity: c.identity.uri(),
+            epoch: c.identity.epoch,
+            not_after,
+            cert_der: c.cert_der,
+            key: c.key,
+        }
+    }
+}
+
+/// What the agent serves with: the enrolled credentials and the VM's state.
+pub struct Context {
+    /// The identity in force.
+    pub served: Served,
+    /// The pinned management CA.
+    pub ca: ManagementCa,
     /// When guest-init started.
     pub started: Instant,
     /// Asks the supervisor for the orderly shutdown.
@@ -117,9 +140,99 @@ pub enum AgentError {
     Tls(#[from] rustls::Error),
 }
 
+/// One generation of the served identity, as connections see it. Each connection holds
+/// its generation for as long as it lives, which is how a rotation knows when the old
+/// identity's connections are all gone.
+struct Generation {
+    no: u64,
+    identity: String,
+    epoch: u64,
+    not_after: i64,
+}
+
+/// What the accept loop, the connections and [`Handle`] share.
+struct Shared {
+    enrolled: Arc<tls::Enrolled>,
+    current: std::sync::RwLock<Arc<Generation>>,
+    /// Held (read) while a connection is admitted; a rotation takes it (write), so no
+    /// connection starts while the old identity is being torn down.
+    gate: tokio::sync::RwLock<()>,
+    /// The newest generation number; connections of older ones close.
+    newer: tokio::sync::watch::Sender<u64>,
+    started: Instant,
+    stop: UnboundedSender<()>,
+    exec_users: Vec<String>,
+}
+
+impl Shared {
+    fn current(&self) -> Arc<Generation> {
+        self.current
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+/// Controls a running agent.
+#[derive(Clone)]
+pub struct Handle {
+    shared: Arc<Shared>,
+}
+
+/// How long a rotation waits for the old identity's connections to end.
+pub const ROTATION_TIMEOUT: Duration = Duration::from_secs(10);
+
+impl Handle {
+    /// The identity changed (re-enrollment: a higher epoch, a new key and certificate).
+    /// In this order: no new connection is admitted; every connection opened under the old
+    /// identity is closed, which kills its running job; then handshakes are served only
+    /// with the new certificate. Each closed connection and killed job is logged.
+    pub async fn rotate(&self, served: Served) {
+        let _gate = self.shared.gate.write().await;
+        let old = self.shared.current();
+        crate::info!(
+            "agent: the identity changed ({} -> {}); closing every connection opened under the old one",
+            old.identity,
+            served.identity
+        );
+        self.shared.newer.send_replace(old.no + 1);
+        let deadline = Instant::now() + ROTATION_TIMEOUT;
+        // `current` and `old` hold two references; every other is a live connection.
+        while Arc::strong_count(&old) > 2 {
+            if Instant::now() >= deadline {
+                crate::warn!(
+                    "agent: {} connection(s) of the old identity still closing after {ROTATION_TIMEOUT:?}",
+                    Arc::strong_count(&old) - 2
+                );
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        self.shared.enrolled.replace(served.cert_der, served.key);
+        *self
+            .shared
+            .current
+            .write()
+            .unwrap_or_else(|p| p.into_inner()) = Arc::new(Generation {
+            no: old.no + 1,
+            identity: served.identity.clone(),
+            epoch: served.epoch,
+            not_after: served.not_after,
+        });
+        crate::info!("agent: serving as {} from now on", served.identity);
+    }
+}
+
 /// Binds the listener and spawns the accept loop on the current runtime.
-pub fn start(cfg: &AgentConfig, ctx: Context) -> Result<tokio::task::JoinHandle<()>, AgentError> {
-    let tls = tls::server_config(ctx.cert_der.clone(), ctx.key.clone(), ctx.ca.clone())?;
+pub fn start(
+    cfg: &AgentConfig,
+    ctx: Context,
+) -> Result<(tokio::task::JoinHandle<()>, Handle), AgentError> {
+    let enrolled = Arc::new(tls::Enrolled::new(
+        ctx.served.cert_der.clone(),
+        ctx.served.key.clone(),
+    ));
+    let tls = tls::server_config(enrolled.clone(), ctx.ca.clone())?;
     let ep = &cfg.listen;
     let err = |source| AgentError::Listen {
         endpoint: ep.to_string(),
@@ -137,12 +250,28 @@ pub fn start(cfg: &AgentConfig, ctx: Context) -> Result<tokio::task::JoinHandle<
     }
     crate::info!(
         "agent: listening at {ep} as {} (operators of {})",
-        ctx.identity,
+        ctx.served.identity,
         ctx.ca.subject()
     );
     let acceptor = tokio_rustls::TlsAcceptor::from(tls);
-    let ctx = Arc::new(ctx);
-    Ok(tokio::spawn(async move {
+    let shared = Arc::new(Shared {
+        enrolled,
+        current: std::sync::RwLock::new(Arc::new(Generation {
+            no: 0,
+            identity: ctx.served.identity,
+            epoch: ctx.served.epoch,
+            not_after: ctx.served.not_after,
+        })),
+        gate: tokio::sync::RwLock::new(()),
+        newer: tokio::sync::watch::channel(0).0,
+        started: ctx.started,
+        stop: ctx.stop,
+        exec_users: ctx.exec_users,
+    });
+    let handle = Handle {
+        shared: shared.clone(),
+    };
+    let task = tokio::spawn(async move {
         loop {
             let (conn, peer) = match listener.accept().await {
                 Ok(c) => c,
@@ -159,17 +288,36 @@ pub fn start(cfg: &AgentConfig, ctx: Context) -> Result<tokio::task::JoinHandle<
                 continue;
             }
             let acceptor = acceptor.clone();
-            let ctx = ctx.clone();
-            tokio::spawn(async move { serve(acceptor, conn, peer, ctx).await });
+            let shared = shared.clone();
+            let gate = shared.gate.read().await;
+            let generation = shared.current();
+            let mut newer = shared.newer.subscribe();
+            drop(gate);
+            tokio::spawn(async move {
+                let no = generation.no;
+                let identity = generation.identity.clone();
+                tokio::select! {
+                    () = serve(acceptor, conn, &peer, &shared, &generation) => {}
+                    _ = newer.wait_for(|n| *n > no) => {
+                        // Dropping `serve` drops a running job's guard, which kills it.
+                        crate::info!(
+                            "agent: closed the connection from {peer} opened under {identity} (identity revoked)"
+                        );
+                    }
+                }
+                drop(generation);
+            });
         }
-    }))
+    });
+    Ok((task, handle))
 }
 
 async fn serve(
     acceptor: tokio_rustls::TlsAcceptor,
     conn: vm_transport::Conn,
-    peer: Peer,
-    ctx: Arc<Context>,
+    peer: &Peer,
+    ctx: &Shared,
+    generation: &Generation,
 ) {
     let mut tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(conn)).await {
         Err(_) => {
@@ -210,7 +358,7 @@ async fn serve(
                     operator.role.as_str(),
                     op.name()
                 );
-                dispatch(op, &ctx).await
+                dispatch(op, ctx, generation).await
             }
         },
     };
@@ -282,12 +430,12 @@ async fn read_line<R: tokio::io::AsyncRead + Unpin>(r: &mut R) -> Result<Vec<u8>
     }
 }
 
-async fn dispatch(op: Op, ctx: &Context) -> Answer {
+async fn dispatch(op: Op, ctx: &Shared, generation: &Generation) -> Answer {
     match op {
         Op::Status { .. } => Answer::ok(serde_json::json!({
-            "identity": ctx.identity,
-            "epoch": ctx.epoch,
-            "not_after": ctx.not_after,
+            "identity": generation.identity,
+            "epoch": generation.epoch,
+            "not_after": generation.not_after,
             "app": match crate::shutdown::app() {
                 Some(pid) => format!("running (pid {pid})"),
                 None => "not running".to_string(),

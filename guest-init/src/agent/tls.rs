@@ -302,31 +302,46 @@ impl Signer for MachineSignerOnce {
     }
 }
 
-/// Always the one enrolled certificate (swapped as a whole on re-enrollment).
+/// The enrolled certificate in force, swapped as a whole on re-enrollment
+/// ([`super::Handle::rotate`]): every handshake reads it afresh.
 #[derive(Debug)]
-struct Enrolled(Arc<CertifiedKey>);
+pub struct Enrolled(std::sync::RwLock<Arc<CertifiedKey>>);
 
-impl ResolvesServerCert for Enrolled {
-    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        Some(self.0.clone())
+impl Enrolled {
+    /// The certificate and the key-store signer for it.
+    pub fn new(cert_der: Vec<u8>, key: Arc<dyn MachineKey>) -> Enrolled {
+        Enrolled(std::sync::RwLock::new(certified(cert_der, key)))
+    }
+
+    /// From now on, handshakes present `cert_der` signed by `key`.
+    pub fn replace(&self, cert_der: Vec<u8>, key: Arc<dyn MachineKey>) {
+        *self.0.write().unwrap_or_else(|p| p.into_inner()) = certified(cert_der, key);
     }
 }
 
-/// The server configuration: TLS 1.3 only, our provider, the enrolled certificate signed
-/// through the key store, operators of `ca` only.
-pub fn server_config(
-    cert_der: Vec<u8>,
-    key: Arc<dyn MachineKey>,
-    ca: ManagementCa,
-) -> Result<Arc<rustls::ServerConfig>, rustls::Error> {
-    let certified = Arc::new(CertifiedKey::new(
+fn certified(cert_der: Vec<u8>, key: Arc<dyn MachineKey>) -> Arc<CertifiedKey> {
+    Arc::new(CertifiedKey::new(
         vec![CertificateDer::from(cert_der)],
         Arc::new(MachineSigner(key)),
-    ));
+    ))
+}
+
+impl ResolvesServerCert for Enrolled {
+    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.0.read().unwrap_or_else(|p| p.into_inner()).clone())
+    }
+}
+
+/// The server configuration: TLS 1.3 only, our provider, the enrolled certificate (from
+/// `enrolled`, read per handshake) signed through the key store, operators of `ca` only.
+pub fn server_config(
+    enrolled: Arc<Enrolled>,
+    ca: ManagementCa,
+) -> Result<Arc<rustls::ServerConfig>, rustls::Error> {
     let config = rustls::ServerConfig::builder_with_provider(Arc::new(super::crypto::provider()))
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_client_cert_verifier(Arc::new(OperatorVerifier::new(ca)))
-        .with_cert_resolver(Arc::new(Enrolled(certified)));
+        .with_cert_resolver(enrolled);
     Ok(Arc::new(config))
 }
 

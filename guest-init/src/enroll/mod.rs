@@ -364,7 +364,7 @@ fn pinned_by_config(cfg: &EnrollConfig, m: &material::Material) -> Result<(), St
 }
 
 type RunFuture<'a> =
-    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Outcome, EnrollError>> + 'a>>;
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Outcome, EnrollError>> + Send + 'a>>;
 
 /// Opens the key store (and so the state directory) and runs `f` with an enroller. Only
 /// called once the material is known to be good: bad input writes nothing.
@@ -433,6 +433,32 @@ pub struct Credentials {
 pub fn credentials(cfg: &EnrollConfig) -> Result<Credentials, EnrollError> {
     let store = OpenStore::open(cfg)?;
     enroller(cfg, store.get(), false).credentials()
+}
+
+/// After boot, with a push source: waits for the next pushed document and enrolls it.
+/// `Ok(Some(..))` with the new credentials when it changed the identity (a higher epoch,
+/// a new key and certificate); `Ok(None)` when it was the identity already in force, or
+/// the document pins another CA than the image (logged, ignored). With a file source it
+/// never returns.
+pub async fn next_push(cfg: &EnrollConfig) -> Result<Option<Credentials>, EnrollError> {
+    let BootstrapSource::Push { listen } = &cfg.bootstrap else {
+        return std::future::pending().await;
+    };
+    crate::info!("enroll: listening for new bootstrap material on {listen}");
+    let material = material::receive_push(listen, Duration::from_millis(cfg.timeout_ms))
+        .await
+        .map_err(|e| EnrollError::State {
+            what: format!("listen for bootstrap material on {listen}"),
+            source: e,
+        })?;
+    if let Err(why) = pinned_by_config(cfg, &material) {
+        crate::warn!("enroll: the pushed bootstrap material was refused ({why})");
+        return Ok(None);
+    }
+    match with_store(cfg, true, |e| Box::pin(e.run(Some(material)))).await? {
+        Outcome::Enrolled { .. } => credentials(cfg).map(Some),
+        Outcome::AlreadyEnrolled { .. } => Ok(None),
+    }
 }
 
 /// The boot step: called by PID 1 after the forwarders are up and before the app starts.

@@ -35,8 +35,14 @@ struct Guest {
 }
 
 impl Guest {
-    /// Enrolls a guest-init supervisor with an agent listening on `agent.sock`.
+    /// Enrolls a guest-init supervisor (bootstrap file) with an agent on `agent.sock`.
     fn start() -> Guest {
+        Guest::start_with(false)
+    }
+
+    /// As [`Guest::start`]; with `push`, the material is pushed (and later pushes
+    /// re-enroll).
+    fn start_with(push: bool) -> Guest {
         let dir = tempfile::tempdir().unwrap();
         let svc = EnrollService::start().unwrap();
         let svc_sock = dir.path().join("svc.sock");
@@ -67,7 +73,12 @@ impl Guest {
                 "log_level": "debug",
                 "app": {"command": ["/bin/sleep", "600"], "user": 0},
                 "enrollment": {
-                    "bootstrap": {"file": boot},
+                    "bootstrap": if push {
+                        serde_json::json!({"push": {"listen": {"unix": dir.path().join("push.sock")}}})
+                    } else {
+                        serde_json::json!({"file": boot})
+                    },
+                    "management_ca": svc.management_ca_b64(),
                     "state_dir": dir.path().join("state"),
                     "publish_dir": dir.path().join("identity"),
                     "service": {"unix": svc_sock},
@@ -95,8 +106,31 @@ impl Guest {
             child: Some(child),
             id,
         };
+        if push {
+            g.push(&material.to_string());
+        }
         g.wait_log("agent: listening at");
         g
+    }
+
+    /// Pushes bootstrap material to the guest (as root) and checks it was taken.
+    fn push(&self, doc: &str) {
+        let sock = self.dir.path().join("push.sock");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut s = loop {
+            match std::os::unix::net::UnixStream::connect(&sock) {
+                Ok(s) => break s,
+                Err(_) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20))
+                }
+                Err(e) => panic!("no push listener: {e}\n{}", self.log()),
+            }
+        };
+        s.write_all(doc.as_bytes()).unwrap();
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        let mut answer = String::new();
+        s.read_to_string(&mut answer).unwrap();
+        assert_eq!(answer, "ok\n", "{}", self.log());
     }
 
     fn log(&self) -> String {
@@ -526,4 +560,82 @@ fn the_host_client_talks_only_to_the_current_identity() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read"));
     assert_eq!(served(), 2, "a request reached the guest");
     assert!(!g.log().contains("shutdown"), "the VM was stopped");
+}
+
+#[test]
+fn an_epoch_raise_closes_the_old_connections_kills_their_jobs_and_swaps_the_certificate() {
+    let g = Guest::start_with(true);
+    let operator = g
+        .svc
+        .issue_operator("urn:hop3:operator:ops:role:operator", -60, 3600);
+    let old_cert = g.published();
+
+    // A job running under the old identity, on its own connection.
+    let running = std::thread::scope(|scope| {
+        let job = scope.spawn(|| {
+            g.call(
+                Some(&operator),
+                r#"{"v":1,"op":"exec","user":"nobody","argv":["/bin/sleep","37.5"],"deadline_ms":60000}"#,
+            )
+        });
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !sleeping("37.5") {
+            assert!(
+                Instant::now() < deadline,
+                "the job never started:\n{}",
+                g.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+
+        // The platform raises the epoch and pushes new material.
+        let raised = Identity {
+            epoch: 8,
+            ..g.id.clone()
+        };
+        let token = "tok_AGENT_RAISED_0123456789abcdefghijklmnopqrstuv";
+        let expires = g
+            .svc
+            .register(token, &raised, Duration::from_secs(600))
+            .unwrap();
+        g.push(&g.svc.material(token, &raised, expires, 5002).to_string());
+        g.wait_log(&format!("agent: serving as {} from now on", raised.uri()));
+        (job.join().unwrap(), raised)
+    });
+    let (answer, raised) = running;
+
+    // 1. the old connection was closed without an answer; 2. its job was killed.
+    assert!(
+        answer.is_err(),
+        "the old identity's job answered: {answer:?}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while sleeping("37.5") {
+        assert!(
+            Instant::now() < deadline,
+            "the old identity's job still runs"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let log = g.log();
+    let closed = log
+        .find(&format!(
+            "closed the connection from unix opened under {}",
+            g.id.uri()
+        ))
+        .unwrap_or_else(|| panic!("no close logged:\n{log}"));
+    let killed = log
+        .find("killed (its process group)")
+        .unwrap_or_else(|| panic!("no kill logged:\n{log}"));
+    let serving = log.find("agent: serving as").unwrap();
+    assert!(closed < serving && killed < serving, "{log}");
+
+    // 3. new handshakes get the new certificate: the client pins what the guest now
+    // publishes, so the old certificate would fail the handshake.
+    let new_cert = g.published();
+    assert_ne!(new_cert, old_cert);
+    let status = g.call(Some(&operator), r#"{"v":1,"op":"status"}"#).unwrap();
+    assert_eq!(ok(&status)["identity"], raised.uri());
+    assert_eq!(ok(&status)["epoch"], 8);
+    assert!(!g.log().contains(TOKEN));
 }

@@ -32,12 +32,14 @@ const PROBE: &str = "/bin/guest-probe";
 const BOOTSTRAP: &str = "/etc/guest-init/bootstrap.json";
 const TOKEN: &str = "tok_AGENTVM_SECRET_0123456789abcdefghijklmnopq";
 
-fn client(svc: &EnrollService, uri: &str, current: &Path) -> Client {
-    let (cert, key) = svc.issue_operator(uri, -60, 3600);
+/// An operator client with a certificate from `issuer`'s CA, trusting the guest's
+/// certificate from `management`'s CA.
+fn client(issuer: &EnrollService, management: &EnrollService, uri: &str, current: &Path) -> Client {
+    let (cert, key) = issuer.issue_operator(uri, -60, 3600);
     Client::new(
         vec![CertificateDer::from(cert)],
         PrivateKeyDer::Pkcs8(key.into()),
-        svc.ca_der().to_vec(),
+        management.ca_der().to_vec(),
         current.to_path_buf(),
     )
     .unwrap()
@@ -165,7 +167,7 @@ fn the_agent_serves_operators_over_vsock_and_the_host_checks_the_current_identit
         assert!(ready.is_ok(), "no ready line: {ready:?}\n{}", vm.console());
         let current = dir.path().join("current.json");
         write_current(&current, &id, 3);
-        let operator = client(&svc, "urn:hop3:operator:ops:role:operator", &current);
+        let operator = client(&svc, &svc, "urn:hop3:operator:ops:role:operator", &current);
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -187,7 +189,10 @@ fn the_agent_serves_operators_over_vsock_and_the_host_checks_the_current_identit
         let out = base64::engine::general_purpose::STANDARD
             .decode(exec["result"]["stdout"].as_str().unwrap())
             .unwrap();
-        assert!(String::from_utf8_lossy(&out).contains("guest-probe"), "{exec}");
+        assert!(
+            String::from_utf8_lossy(&out).contains("guest-probe"),
+            "{exec}"
+        );
 
         let killed = call(
             &operator,
@@ -199,9 +204,11 @@ fn the_agent_serves_operators_over_vsock_and_the_host_checks_the_current_identit
 
         // A client from another CA: refused by the guest.
         let rogue = EnrollService::start().unwrap();
-        let stranger = client(&rogue, "urn:hop3:operator:x:role:operator", &current);
+        let stranger = client(&rogue, &svc, "urn:hop3:operator:x:role:operator", &current);
         assert!(call(&stranger, json!({"v": 1, "op": "status"})).is_err());
-        assert!(vm.console().contains("wrong CA"), "{}", vm.console());
+        vm.wait_for_console("refused vsock:2:", Duration::from_secs(30))
+            .map(|line| assert!(line.contains("wrong CA"), "{line}"))
+            .unwrap_or_else(|e| panic!("{e}"));
 
         // Measured: a full handshake and status, and an exec, host to guest (TCG).
         let mut handshakes = Vec::new();
