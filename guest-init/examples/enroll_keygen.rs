@@ -4,7 +4,12 @@
 //! the 90th percentile over N runs (default 100) of:
 //! - `memory`: a P-256 key from the OS RNG into the memory store, and the signed CSR;
 //! - `file`: the same with the file store (PKCS#8 written 0600, fsync, rename, fsync dir)
-//!   in a temporary directory, plus the CSR.
+//!   in a temporary directory, plus the CSR;
+//! - `tpm`: the key created by a real swtpm (Debian's, started here on a fresh state
+//!   directory, reached over its raw-command Unix socket: the same bytes guest-init writes
+//!   to `/dev/tpmrm0`), its wrapped blob written like the file store's, and the CSR signed
+//!   by the TPM. Each of the two operations re-creates the storage root key, loads what it
+//!   needs and flushes it (see `enroll/tpm/`). Host-side: no VM, no TCG.
 //!
 //! A benchmark, not a test: it asserts nothing about time.
 
@@ -14,6 +19,8 @@ use guest_init::enroll::file_store::FileKeyStore;
 use guest_init::enroll::identity::Identity;
 use guest_init::enroll::keystore::KeyStore;
 use guest_init::enroll::memory_store::MemoryKeyStore;
+use guest_init::enroll::tpm::store::Stream;
+use guest_init::enroll::tpm::TpmKeyStore;
 
 fn stats(mut v: Vec<Duration>) -> (Duration, Duration) {
     v.sort();
@@ -51,7 +58,19 @@ fn main() {
     let dir = tempfile::tempdir().expect("tempdir");
     let file = FileKeyStore::open_dir(&dir.path().join("keys")).expect("file store");
     let (f50, f90) = stats(measure(&file, &id, n));
+    let tpm_state = dir.path().join("tpm");
+    let server = qemu_harness::swtpm::RawServer::start(&tpm_state).expect("start swtpm");
+    let sock = server.socket().to_path_buf();
+    let tpm = TpmKeyStore::with_connector(
+        &dir.path().join("tpm-keys"),
+        std::sync::Arc::new(move || {
+            std::os::unix::net::UnixStream::connect(&sock).map(|s| Box::new(s) as Box<dyn Stream>)
+        }),
+    )
+    .expect("tpm store");
+    let (t50, t90) = stats(measure(&tpm, &id, n));
     println!("key generation + CSR, {n} runs:");
     println!("  memory store: median {m50:?}, p90 {m90:?}");
     println!("  file store:   median {f50:?}, p90 {f90:?} (includes two fsyncs)");
+    println!("  tpm store:    median {t50:?}, p90 {t90:?} (swtpm over its socket; two fsyncs)");
 }

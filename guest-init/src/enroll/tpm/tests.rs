@@ -2,66 +2,34 @@
 //! over its raw-command Unix socket (`swtpm socket --server type=unixio`): no VM needed.
 
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::Command;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use p256::ecdsa::signature::Verifier;
+use qemu_harness::swtpm::RawServer;
 
 use super::store::{Connector, Stream, TpmKeyStore};
 use crate::enroll::keystore::KeyStore;
 
-/// A swtpm taking raw TPM commands on `<state>/data.sock`, killed on drop.
-pub struct Swtpm {
-    child: Child,
-    sock: PathBuf,
+/// A swtpm on `state` (the same directory again is the same TPM), or `None` when swtpm
+/// is missing and `REQUIRE_ALL` is not set.
+fn swtpm(state: &Path) -> Option<RawServer> {
+    if Command::new("swtpm").arg("--version").output().is_err() {
+        assert!(
+            std::env::var("REQUIRE_ALL").as_deref() != Ok("1"),
+            "swtpm is missing (scripts/setup.sh installs it)"
+        );
+        eprintln!("SKIPPED: swtpm is not installed");
+        return None;
+    }
+    Some(RawServer::start(state).expect("start swtpm"))
 }
 
-impl Swtpm {
-    /// Starts swtpm on `state` (kept between instances: the same TPM again), or `None`
-    /// when swtpm is missing and `REQUIRE_ALL` is not set.
-    pub fn start(state: &Path) -> Option<Swtpm> {
-        if Command::new("swtpm").arg("--version").output().is_err() {
-            assert!(
-                std::env::var("REQUIRE_ALL").as_deref() != Ok("1"),
-                "swtpm is missing (scripts/setup.sh installs it)"
-            );
-            eprintln!("SKIP: swtpm is not installed");
-            return None;
-        }
-        let sock = state.join("data.sock");
-        let _ = std::fs::remove_file(&sock);
-        let child = Command::new("swtpm")
-            .args(["socket", "--tpm2", "--tpmstate"])
-            .arg(format!("dir={}", state.display()))
-            .arg("--server")
-            .arg(format!("type=unixio,path={}", sock.display()))
-            .args(["--flags", "not-need-init,startup-clear"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn swtpm");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while UnixStream::connect(&sock).is_err() {
-            assert!(Instant::now() < deadline, "swtpm did not listen");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Some(Swtpm { child, sock })
-    }
-
-    /// A connector for the store.
-    pub fn connector(&self) -> Connector {
-        let sock = self.sock.clone();
-        Arc::new(move || UnixStream::connect(&sock).map(|s| Box::new(s) as Box<dyn Stream>))
-    }
-}
-
-impl Drop for Swtpm {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// A connector for the store: a fresh connection to the server per operation.
+fn connector(server: &RawServer) -> Connector {
+    let sock = server.socket().to_path_buf();
+    Arc::new(move || UnixStream::connect(&sock).map(|s| Box::new(s) as Box<dyn Stream>))
 }
 
 fn verify(public_sec1: &[u8], msg: &[u8], der: &[u8]) -> bool {
@@ -75,10 +43,10 @@ fn keys_are_made_by_the_tpm_and_survive_a_tpm_restart() {
     let d = tempfile::tempdir().unwrap();
     let (state, dir) = (d.path().join("tpm"), d.path().join("keys"));
     std::fs::create_dir(&state).unwrap();
-    let Some(tpm) = Swtpm::start(&state) else {
+    let Some(tpm) = swtpm(&state) else {
         return;
     };
-    let store = TpmKeyStore::with_connector(&dir, tpm.connector()).unwrap();
+    let store = TpmKeyStore::with_connector(&dir, connector(&tpm)).unwrap();
     let (slot, key) = store.generate().unwrap();
     let der = key.sign_der(b"hello").unwrap();
     assert!(verify(key.public_sec1(), b"hello", &der));
@@ -100,8 +68,8 @@ fn keys_are_made_by_the_tpm_and_survive_a_tpm_restart() {
 
     // The same TPM state after a restart (a reboot) loads and signs with it.
     drop(tpm);
-    let tpm = Swtpm::start(&state).unwrap();
-    let store = TpmKeyStore::with_connector(&dir, tpm.connector()).unwrap();
+    let tpm = swtpm(&state).unwrap();
+    let store = TpmKeyStore::with_connector(&dir, connector(&tpm)).unwrap();
     let reopened = store.open(&slot).unwrap().unwrap();
     assert_eq!(reopened.public_sec1(), key.public_sec1());
     let der = reopened.sign_der(b"after reboot").unwrap();
@@ -126,16 +94,16 @@ fn another_tpm_cannot_load_the_blob_and_says_so() {
     );
     std::fs::create_dir(&a).unwrap();
     std::fs::create_dir(&b).unwrap();
-    let Some(tpm_a) = Swtpm::start(&a) else {
+    let Some(tpm_a) = swtpm(&a) else {
         return;
     };
-    let (slot, _) = TpmKeyStore::with_connector(&dir, tpm_a.connector())
+    let (slot, _) = TpmKeyStore::with_connector(&dir, connector(&tpm_a))
         .unwrap()
         .generate()
         .unwrap();
     drop(tpm_a);
-    let tpm_b = Swtpm::start(&b).unwrap();
-    let store = TpmKeyStore::with_connector(&dir, tpm_b.connector()).unwrap();
+    let tpm_b = swtpm(&b).unwrap();
+    let store = TpmKeyStore::with_connector(&dir, connector(&tpm_b)).unwrap();
     let e = store
         .open(&slot)
         .err()
@@ -152,10 +120,10 @@ fn a_swapped_or_damaged_blob_is_refused() {
     let d = tempfile::tempdir().unwrap();
     let (state, dir) = (d.path().join("tpm"), d.path().join("keys"));
     std::fs::create_dir(&state).unwrap();
-    let Some(tpm) = Swtpm::start(&state) else {
+    let Some(tpm) = swtpm(&state) else {
         return;
     };
-    let store = TpmKeyStore::with_connector(&dir, tpm.connector()).unwrap();
+    let store = TpmKeyStore::with_connector(&dir, connector(&tpm)).unwrap();
     let (a, _) = store.generate().unwrap();
     let (b, _) = store.generate().unwrap();
     // b's blob under a's name: the public key does not match the slot.
