@@ -29,6 +29,8 @@ use x509_parser::prelude::*;
 /// The reference service's seed-002 denials (current identity, expired issued
 /// certificate, capacity) as the guest sees them.
 mod denials;
+/// The state machine with the TPM store (swtpm, no VM).
+mod tpm;
 
 const VM: &str = "vm-1";
 
