@@ -11,6 +11,11 @@
 //!   by the TPM. Each of the two operations re-creates the storage root key, loads what it
 //!   needs and flushes it (see `enroll/tpm/`). Host-side: no VM, no TCG.
 //!
+//! `enroll_keygen N --device /dev/tpmrm0` measures the memory and TPM stores only, the TPM
+//! store on that device (keys in a temporary directory under `/run`): run inside a VM
+//! with a vTPM (`qemu-harness boot --tpm-state DIR`, the example built for musl as the
+//! app, as root) to measure under the VM's accelerator.
+//!
 //! A benchmark, not a test: it asserts nothing about time.
 
 use std::time::{Duration, Instant};
@@ -42,10 +47,12 @@ fn measure(store: &dyn KeyStore, id: &Identity, n: usize) -> Vec<Duration> {
 }
 
 fn main() {
-    let n: usize = std::env::args()
-        .nth(1)
-        .and_then(|a| a.parse().ok())
-        .unwrap_or(100);
+    let args: Vec<String> = std::env::args().collect();
+    let n: usize = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(100);
+    let device = args
+        .iter()
+        .position(|a| a == "--device")
+        .and_then(|i| args.get(i + 1));
     let id = Identity {
         workspace_namespace: "team-a".into(),
         workspace_name: "ws1".into(),
@@ -55,6 +62,16 @@ fn main() {
     };
     let mem = MemoryKeyStore::new().expect("memory store");
     let (m50, m90) = stats(measure(&mem, &id, n));
+    if let Some(device) = device {
+        let dir = tempfile::tempdir_in("/run").expect("tempdir in /run");
+        let tpm = TpmKeyStore::with_device(&dir.path().join("tpm-keys"), device.as_ref())
+            .expect("tpm store");
+        let (t50, t90) = stats(measure(&tpm, &id, n));
+        println!("key generation + CSR, {n} runs, on {device}:");
+        println!("  memory store: median {m50:?}, p90 {m90:?}");
+        println!("  tpm store:    median {t50:?}, p90 {t90:?}");
+        return;
+    }
     let dir = tempfile::tempdir().expect("tempdir");
     let file = FileKeyStore::open_dir(&dir.path().join("keys")).expect("file store");
     let (f50, f90) = stats(measure(&file, &id, n));

@@ -337,3 +337,24 @@ impl Drop for EnrollService {
         }
     }
 }
+
+/// The bootstrap document the platform stages or pushes for `binding` (the format in
+/// `docs/ENROLLMENT.md`), with the token and the expiry `register` returned.
+pub fn material_json(
+    token: &str,
+    binding: &Identity,
+    expires_at: u64,
+    enrollment_port: u32,
+) -> serde_json::Value {
+    serde_json::json!({
+        "version": 1,
+        "workspace_namespace": binding.workspace_namespace,
+        "workspace_name": binding.workspace_name,
+        "workspace_uid": binding.workspace_uid,
+        "vm_uid": binding.vm_uid,
+        "revocation_epoch": binding.epoch,
+        "token": token,
+        "expires_at": expires_at,
+        "enrollment_port": enrollment_port,
+    })
+}

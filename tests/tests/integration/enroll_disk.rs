@@ -320,17 +320,7 @@ pub(crate) fn service_and_disk(
     let expires = svc
         .register(token, &id, Duration::from_secs(15 * 60))
         .unwrap();
-    let material = json!({
-        "version": 1,
-        "workspace_namespace": id.workspace_namespace,
-        "workspace_name": id.workspace_name,
-        "workspace_uid": id.workspace_uid,
-        "vm_uid": id.vm_uid,
-        "revocation_epoch": id.epoch,
-        "token": token,
-        "expires_at": expires,
-        "enrollment_port": ENROLL_PORT,
-    });
+    let material = e2e::enroll_service::material_json(token, &id, expires, ENROLL_PORT);
 
     // The root disk: the app and the bootstrap material; the guest adds its state.
     let tree = work.join("root");
@@ -407,4 +397,39 @@ pub(crate) fn boot_resumes(
         "boot 2 was answered with another certificate than the one committed in boot 1"
     );
     vm
+}
+
+/// After a power cut while the service stalled after committing `token`'s CSR: lets the
+/// stalled request complete (into the dead connection), checks it was the only one, from
+/// [`VM_UID`], answered with the committed certificate, and returns that certificate and
+/// the CSR.
+pub(crate) fn release_the_committed_request(
+    svc: &EnrollService,
+    token: &str,
+) -> (Vec<u8>, Vec<u8>) {
+    let committed = svc
+        .committed_cert(token)
+        .expect("boot 1's CSR was committed");
+    svc.release_stall();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while svc.requests().is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the stalled request was never recorded"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let first = svc.requests();
+    assert_eq!(
+        first.len(),
+        1,
+        "boot 1 sent more than one request: {first:?}"
+    );
+    let csr1 = first[0]
+        .csr
+        .clone()
+        .expect("boot 1's request carried a CSR");
+    assert_eq!(first[0].vm_uid, VM_UID);
+    assert_eq!(first[0].cert.as_deref(), Some(committed.as_slice()));
+    (committed, csr1)
 }

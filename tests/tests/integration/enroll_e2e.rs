@@ -258,18 +258,7 @@ impl Env {
     /// A bootstrap document for `id` and `token` (what the platform stages or pushes).
     fn material_doc(&mut self, token: &str, id: &Identity, expires: u64) -> String {
         self.tokens.push(token.to_owned());
-        serde_json::json!({
-            "version": 1,
-            "workspace_namespace": id.workspace_namespace,
-            "workspace_name": id.workspace_name,
-            "workspace_uid": id.workspace_uid,
-            "vm_uid": id.vm_uid,
-            "revocation_epoch": id.epoch,
-            "token": token,
-            "expires_at": expires,
-            "enrollment_port": 5002,
-        })
-        .to_string()
+        e2e::enroll_service::material_json(token, id, expires, 5002).to_string()
     }
 
     fn guest(&self) -> Command {

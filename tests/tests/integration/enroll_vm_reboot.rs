@@ -53,7 +53,7 @@
 //! `e2fsck`) and root (the disk's files must be owned by root for guest-init to accept
 //! the bootstrap file); without them it prints `SKIPPED` (or fails under `REQUIRE_ALL=1`).
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use base64::Engine;
 use e2e::util::{musl_bin, on_each_kernel, test_kernels};
@@ -64,8 +64,8 @@ use qemu_harness::Vm;
 const TOKEN: &str = "tok_REBOOT_SECRET_0123456789abcdefghijklmnopqrstuv";
 
 use crate::enroll_disk::{
-    boot_resumes, check_requirements, power_cut, read_state, service_and_disk, sha, vm_spec,
-    wait_until, BOOT_TIMEOUT, VM_UID,
+    boot_resumes, check_requirements, power_cut, read_state, release_the_committed_request,
+    service_and_disk, sha, vm_spec, wait_until, BOOT_TIMEOUT,
 };
 
 /// The secrets scan: neither the token nor the private key (DER or scalar, hex or
@@ -159,30 +159,7 @@ fn a_reboot_mid_enrollment_resumes_from_the_virtio_blk_disk_with_the_identical_c
         drop(vm1);
 
         // The stalled request completes into the dead connection and is recorded.
-        let committed = svc
-            .committed_cert(TOKEN)
-            .expect("boot 1's CSR was committed");
-        svc.release_stall();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while svc.requests().is_empty() {
-            assert!(
-                Instant::now() < deadline,
-                "the stalled request was never recorded"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let first = svc.requests();
-        assert_eq!(
-            first.len(),
-            1,
-            "boot 1 sent more than one request: {first:?}"
-        );
-        let csr1 = first[0]
-            .csr
-            .clone()
-            .expect("boot 1's request carried a CSR");
-        assert_eq!(first[0].vm_uid, VM_UID);
-        assert_eq!(first[0].cert.as_deref(), Some(committed.as_slice()));
+        let (committed, csr1) = release_the_committed_request(&svc, TOKEN);
 
         // The disk after the power cut: key, exact CSR and pending state, no certificate.
         let between = read_state(&tools, &disk, work.path());

@@ -37,7 +37,6 @@
 //! Needs what `enroll_vm_reboot.rs` needs plus swtpm (`scripts/setup.sh` installs it).
 
 use std::path::Path;
-use std::time::Duration;
 
 use e2e::util::{have_program, musl_bin, on_each_kernel, require, test_kernels};
 use guest_init::enroll::keystore::KeyStore;
@@ -51,8 +50,8 @@ use qemu_harness::vm::READY_MARK;
 use qemu_harness::Vm;
 
 use crate::enroll_disk::{
-    boot_resumes, check_requirements, power_cut, read_state, service_and_disk, vm_spec, wait_until,
-    BOOT_TIMEOUT,
+    boot_resumes, check_requirements, power_cut, read_state, release_the_committed_request,
+    service_and_disk, vm_spec, wait_until, BOOT_TIMEOUT,
 };
 
 const TOKEN: &str = "tok_TPM_SECRET_0123456789abcdefghijklmnopqrstuvwxyz";
@@ -162,16 +161,7 @@ fn the_tpm_store_keeps_only_a_wrapped_key_resumes_after_a_power_cut_and_fails_cl
             tail(&console1, 40)
         );
         drop(vm1);
-        let committed = svc
-            .committed_cert(TOKEN)
-            .expect("boot 1's CSR was committed");
-        svc.release_stall();
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        while svc.requests().is_empty() {
-            assert!(std::time::Instant::now() < deadline, "no request recorded");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let csr1 = svc.requests()[0].csr.clone().expect("boot 1's CSR");
+        let (committed, csr1) = release_the_committed_request(&svc, TOKEN);
 
         let between = read_state(&tools, &disk, work.path());
         let key = between.only(".key");

@@ -31,17 +31,7 @@ fn material_for(
 ) -> guest_init::enroll::material::Material {
     let token = new_token("TPM");
     let expires = svc.register(&token, id, Duration::from_secs(600)).unwrap();
-    let doc = serde_json::json!({
-        "version": 1,
-        "workspace_namespace": id.workspace_namespace,
-        "workspace_name": id.workspace_name,
-        "workspace_uid": id.workspace_uid,
-        "vm_uid": id.vm_uid,
-        "revocation_epoch": id.epoch,
-        "token": token,
-        "expires_at": expires,
-        "enrollment_port": 5002,
-    });
+    let doc = e2e::enroll_service::material_json(&token, id, expires, 5002);
     let path = dir.join(format!("bootstrap-{}.json", id.epoch));
     write_bootstrap(&path, doc.to_string().as_bytes());
     material::read_file(&path).unwrap().expect("material")
