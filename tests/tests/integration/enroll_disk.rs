@@ -320,7 +320,7 @@ pub(crate) fn service_and_disk(
     let expires = svc
         .register(token, &id, Duration::from_secs(15 * 60))
         .unwrap();
-    let material = e2e::enroll_service::material_json(token, &id, expires, ENROLL_PORT);
+    let material = svc.material_json(token, &id, expires, ENROLL_PORT);
 
     // The root disk: the app and the bootstrap material; the guest adds its state.
     let tree = work.join("root");

@@ -31,7 +31,7 @@ fn material_for(
 ) -> guest_init::enroll::material::Material {
     let token = new_token("TPM");
     let expires = svc.register(&token, id, Duration::from_secs(600)).unwrap();
-    let doc = e2e::enroll_service::material_json(&token, id, expires, 5002);
+    let doc = svc.material_json(&token, id, expires, 5002);
     let path = dir.join(format!("bootstrap-{}.json", id.epoch));
     write_bootstrap(&path, doc.to_string().as_bytes());
     material::read_file(&path).unwrap().expect("material")
