@@ -12,7 +12,7 @@
 //!
 //! Threat: another uid in the VM reading the key; a partially written key after a crash;
 //! a symlink planted at the key's path. Not defended: someone with the raw disk (use the
-//! memory store, or a vTPM store later).
+//! TPM store, or the memory store).
 
 use std::io;
 use std::path::{Path, PathBuf};

@@ -11,7 +11,8 @@
 //! - [`push`]: the one-time bootstrap push from the host;
 //! - [`ca`]: the pinned management CA and the signature check of issued certificates;
 //! - [`identity`]: the identity and its URI form in the CSR and certificate;
-//! - [`keystore`] with [`file_store`] and [`memory_store`]: where the P-256 key lives;
+//! - [`keystore`] with [`file_store`], [`memory_store`] and `tpm` (the VM's TPM 2.0): where
+//!   the P-256 key lives;
 //! - [`csr`]: the CSR, signed through rcgen's external-signer traits;
 //! - [`protocol`] and [`client`]: the versioned one-line JSON exchange and its retries;
 //! - [`verify`]: checks on the returned certificate (issuer, key, validity, identity,
