@@ -34,6 +34,10 @@
 //!    VM a new disk, TPM and identity), and the service would deny a second CSR for the
 //!    used token anyway.
 //!
+//! Before all that, **boot 0** gives the same configuration a VM without a TPM: it powers
+//! off with the configuration error naming `key_store` and the fix, sends nothing and
+//! writes no state (never a fallback to the file store).
+//!
 //! Needs what `enroll_vm_reboot.rs` needs plus swtpm (`scripts/setup.sh` installs it).
 
 use std::path::Path;
@@ -135,6 +139,30 @@ fn the_tpm_store_keeps_only_a_wrapped_key_resumes_after_a_power_cut_and_fails_cl
         let work = tempfile::tempdir().unwrap();
         let (svc, svc_sock, disk) = service_and_disk(&tools, work.path(), &probe, TOKEN);
         let tpm_a = work.path().join("tpm-a");
+
+        // 0. The same configuration on a VM without a TPM: refused, naming the field and
+        //    the fix, before anything is written or sent; never the file store.
+        let mut no_tpm = vm_spec("enroll-tpm-0", kernel, &guest_init, &disk, &svc_sock, "tpm");
+        no_tpm.tpm_state = None;
+        let mut vm0 = Vm::boot(no_tpm).unwrap_or_else(|e| panic!("boot 0: {e}"));
+        let exit = vm0.wait_exit(BOOT_TIMEOUT);
+        let console0 = vm0.console();
+        assert!(
+            exit.is_ok()
+                && console0.contains("key_store: \"tpm\" needs a TPM 2.0 at /dev/tpmrm0")
+                && console0.contains("give the VM a TPM")
+                && !console0.contains(READY_MARK),
+            "a VM without a TPM was not refused with the field and the fix: {exit:?}\n{}",
+            tail(&console0, 40)
+        );
+        drop(vm0);
+        assert!(svc.requests().is_empty(), "boot 0 sent a request");
+        let untouched = read_state(&tools, &disk, work.path());
+        assert!(
+            untouched.dir_mode.is_none(),
+            "boot 0 wrote enrollment state: {}",
+            untouched.listing()
+        );
 
         // 1. Boot 1 on TPM A: the CSR is committed, then the power goes.
         svc.stall_after_commit();
