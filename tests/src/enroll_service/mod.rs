@@ -187,14 +187,15 @@ impl EnrollService {
         base64::engine::general_purpose::STANDARD.encode(&self.inner.ca_der)
     }
 
-    /// The bootstrap material for `token` and `binding` (what the platform stages per
-    /// clone), pinning this service's CA, with the guest dialing `port`.
-    pub fn material(
+    /// The bootstrap document the platform stages or pushes for `binding` (the format in
+    /// `docs/ENROLLMENT.md`), with the token and the expiry [`EnrollService::register`]
+    /// returned, pinning this service's CA.
+    pub fn material_json(
         &self,
         token: &str,
         binding: &Identity,
         expires_at: u64,
-        port: u32,
+        enrollment_port: u32,
     ) -> serde_json::Value {
         serde_json::json!({
             "version": 1,
@@ -205,7 +206,7 @@ impl EnrollService {
             "revocation_epoch": binding.epoch,
             "token": token,
             "expires_at": expires_at,
-            "enrollment_port": port,
+            "enrollment_port": enrollment_port,
             "management_ca": self.management_ca_b64(),
         })
     }

@@ -55,7 +55,7 @@ impl Guest {
             epoch: 7,
         };
         let expires = svc.register(TOKEN, &id, Duration::from_secs(600)).unwrap();
-        let material = svc.material(TOKEN, &id, expires, 5002);
+        let material = svc.material_json(TOKEN, &id, expires, 5002);
         let boot = dir.path().join("bootstrap.json");
         std::fs::OpenOptions::new()
             .write(true)
@@ -624,7 +624,11 @@ fn an_epoch_raise_closes_the_old_connections_kills_their_jobs_and_swaps_the_cert
             .svc
             .register(token, &raised, Duration::from_secs(600))
             .unwrap();
-        g.push(&g.svc.material(token, &raised, expires, 5002).to_string());
+        g.push(
+            &g.svc
+                .material_json(token, &raised, expires, 5002)
+                .to_string(),
+        );
         g.wait_log(&format!("agent: serving as {} from now on", raised.uri()));
         (job.join().unwrap(), raised)
     });

@@ -91,7 +91,7 @@ fn the_agent_serves_operators_over_vsock_and_the_host_checks_the_current_identit
         let expires = svc
             .register(TOKEN, &id, Duration::from_secs(15 * 60))
             .unwrap();
-        let material = svc.material(TOKEN, &id, expires, ENROLL_PORT);
+        let material = svc.material_json(TOKEN, &id, expires, ENROLL_PORT);
         let config = json!({
             "version": 1,
             "hostname": "vm-agent",

@@ -54,7 +54,7 @@ fn vm_enrolls_through_vsock_and_host_relay_before_the_app_starts() {
         let expires = svc
             .register(token, &id, Duration::from_secs(15 * 60))
             .unwrap();
-        let material = svc.material(token, &id, expires, ENROLL_PORT);
+        let material = svc.material_json(token, &id, expires, ENROLL_PORT);
 
         let config = json!({
             "version": 1,
