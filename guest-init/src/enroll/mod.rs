@@ -330,12 +330,7 @@ pub async fn run(cfg: &EnrollConfig) -> Result<Outcome, EnrollError> {
         }
         BootstrapSource::Push { listen } => loop {
             crate::info!("enroll: waiting for the host to push bootstrap material on {listen}");
-            let material = material::receive_push(listen, Duration::from_millis(cfg.timeout_ms))
-                .await
-                .map_err(|e| EnrollError::State {
-                    what: format!("listen for bootstrap material on {listen}"),
-                    source: e,
-                })?;
+            let material = receive(cfg, listen).await?;
             if let Err(why) = pinned_by_config(cfg, &material) {
                 crate::warn!(
                     "enroll: the pushed bootstrap material was refused ({why}); discarded, waiting for another push"
@@ -352,6 +347,16 @@ pub async fn run(cfg: &EnrollConfig) -> Result<Outcome, EnrollError> {
             }
         },
     }
+}
+
+/// One pushed document on `listen`.
+async fn receive(cfg: &EnrollConfig, listen: &Endpoint) -> Result<material::Material, EnrollError> {
+    material::receive_push(listen, Duration::from_millis(cfg.timeout_ms))
+        .await
+        .map_err(|e| EnrollError::State {
+            what: format!("listen for bootstrap material on {listen}"),
+            source: e,
+        })
 }
 
 /// With a configured `management_ca`, the material must pin that same CA.
@@ -453,12 +458,7 @@ pub async fn next_push(cfg: &EnrollConfig) -> Result<Option<Credentials>, Enroll
         return std::future::pending().await;
     };
     crate::info!("enroll: listening for new bootstrap material on {listen}");
-    let material = material::receive_push(listen, Duration::from_millis(cfg.timeout_ms))
-        .await
-        .map_err(|e| EnrollError::State {
-            what: format!("listen for bootstrap material on {listen}"),
-            source: e,
-        })?;
+    let material = receive(cfg, listen).await?;
     if let Err(why) = pinned_by_config(cfg, &material) {
         crate::warn!("enroll: the pushed bootstrap material was refused ({why})");
         return Ok(None);
