@@ -6,7 +6,7 @@
 //! ```
 //!
 //! Design:
-//! - **Same service, same client, three paths.** Every path ends at one in-process echo
+//! - **Same service, same client, four paths.** Every path ends at one in-process echo
 //!   service ([`echo`]) and is driven by the same client code ([`client`]); only the hops
 //!   differ ([`paths`], [`chain`]).
 //! - **Interleaved rounds, medians.** These machines are noisy. Each round measures every
@@ -32,6 +32,7 @@ mod echo;
 mod figures;
 mod guest;
 mod keygen;
+mod naive;
 mod paths;
 mod report;
 mod stats;
@@ -139,7 +140,7 @@ const USAGE: &str =
   --smoke       a tiny run that exercises every figure (CI)
   --rounds N    interleaved rounds per figure (default 5)
   --burst N     connections in the burst of figure 4 (default 5000)
-  --paths LIST  comma-separated subset of direct,chain,socat (e.g. to profile one)
+  --paths LIST  comma-separated subset of direct,chain,naive,socat (e.g. to profile one)
   --vm-boots N  VM boots for the VM path under TCG (default 3; 0 skips it)";
 
 fn parse_args() -> anyhow::Result<(Settings, Option<PathBuf>)> {
@@ -177,7 +178,7 @@ fn parse_args() -> anyhow::Result<(Settings, Option<PathBuf>)> {
                 let list: Vec<String> = v.split(',').map(str::to_string).collect();
                 for p in &list {
                     if !all_paths().contains(p) {
-                        bail!("--paths: unknown path {p:?}; choose from direct,chain,socat");
+                        bail!("--paths: unknown path {p:?}; choose from direct,chain,naive,socat");
                     }
                 }
                 only = Some(list);
@@ -240,6 +241,13 @@ fn machine() -> serde_json::Value {
 }
 
 fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some(naive::SUBCOMMAND) {
+        let [_, listen, target] = &args[..] else {
+            bail!("usage: bench {} LISTEN_PATH TARGET_PATH", naive::SUBCOMMAND);
+        };
+        return naive::run(listen.as_ref(), target.into());
+    }
     let (settings, json) = parse_args()?;
     let nofile = raise_nofile();
     let machine = machine();
