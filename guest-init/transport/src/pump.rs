@@ -24,7 +24,9 @@
 //!   A buffer is still held across a wait when a destination takes only part of a chunk
 //!   (a vsock peer short of credit), one per such stalled direction.
 //!
-//! The buffers come from [`crate::pool`].
+//! The buffers come from [`crate::pool`]. Between two Unix stream sockets a direction
+//! moves its chunks with `splice(2)` through pooled pipes instead, under the same
+//! contract ([`crate::splice`]).
 
 use std::io;
 
@@ -44,8 +46,20 @@ pub struct Totals {
 /// Copies one direction until end of stream or an error, then half-closes `to`.
 /// Returns the bytes moved, or the error that ended the direction.
 pub async fn copy(from: &Conn, to: &Conn) -> io::Result<u64> {
+    let result = if from.splices() && to.splices() {
+        crate::splice::copy(from, to).await
+    } else {
+        copy_buffered(from, to).await
+    };
+    // Pass the end on; if `to` is already gone there is nobody to tell.
+    let _ = to.shutdown_write();
+    result
+}
+
+/// Copies one direction through pooled buffers (any transport).
+async fn copy_buffered(from: &Conn, to: &Conn) -> io::Result<u64> {
     let mut total = 0u64;
-    let result = loop {
+    loop {
         // Destination first, so a chunk is never read before it can be written.
         if let Err(e) = to.writable().await {
             break Err(e);
@@ -60,10 +74,7 @@ pub async fn copy(from: &Conn, to: &Conn) -> io::Result<u64> {
             }
             Err(e) => break Err(e),
         }
-    };
-    // Pass the end on; if `to` is already gone there is nobody to tell.
-    let _ = to.shutdown_write();
-    result
+    }
 }
 
 /// Relays both directions between `a` and `b` until both have ended.
@@ -116,15 +127,7 @@ pub async fn relay(a: &Conn, b: &Conn) -> Totals {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::endpoint::Endpoint;
-    use crate::listener::listen;
-
-    async fn pair(dir: &std::path::Path, name: &str) -> (Conn, Conn) {
-        let ep = Endpoint::Unix(dir.join(name));
-        let l = listen(&ep).unwrap();
-        let (c, s) = tokio::join!(ep.connect(), l.accept());
-        (c.unwrap(), s.unwrap().0)
-    }
+    use crate::testing::pair;
 
     #[tokio::test]
     async fn relays_both_ways_and_passes_half_close() {

@@ -144,6 +144,7 @@ fn bad_arguments_are_refused_with_their_name() {
         (&["--json"][..], "--json"),
         (&["--frobnicate"][..], "--frobnicate"),
         (&["--vm-boots", "-1"][..], "--vm-boots"),
+        (&["--figures", "9"][..], "--figures"),
     ] {
         let out = bench().args(args).output().expect("run the bench binary");
         assert!(!out.status.success(), "{args:?} must be refused");

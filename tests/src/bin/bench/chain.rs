@@ -205,7 +205,7 @@ pub fn start(dir: &Path, tag: &str, service: &Path) -> io::Result<Route> {
         .stderr(std::fs::File::create(&relay_log)?)
         .spawn()
         .map_err(|e| io::Error::other(format!("cannot start host-relay: {e}")))?;
-    let r = paths::wait_for_socket(&hybrid, &mut relay, "host-relay")
+    let r = paths::wait_for_listener(&hybrid, &mut relay, "host-relay")
         .map_err(|e| with_log(e, &relay_log));
     route.relay_pid = Some(relay.id());
     paths::adopt(&mut route, relay);
@@ -219,7 +219,7 @@ pub fn start(dir: &Path, tag: &str, service: &Path) -> io::Result<Route> {
         .stderr(std::fs::File::create(&guest_log)?)
         .spawn()
         .map_err(|e| io::Error::other(format!("cannot start guest-init: {e}")))?;
-    let r = paths::wait_for_socket(&entry, &mut guest, "guest-init")
+    let r = paths::wait_for_listener(&entry, &mut guest, "guest-init")
         .map_err(|e| with_log(e, &guest_log));
     route.forwarder_pid = Some(guest.id());
     paths::adopt(&mut route, guest);

@@ -114,6 +114,39 @@ fn note_once(notes: &mut Vec<String>, msg: String) {
     }
 }
 
+/// How many slices one window of figures 1-3 is cut into (about 100 ms each).
+fn slices(s: &Settings) -> usize {
+    (s.window_ms / 100).max(1) as usize
+}
+
+/// Runs `each` on every path, `slices` times over, the paths taking turns slice by slice
+/// (in the round's order). On this shared machine other people's builds come and go
+/// within seconds; taking turns every 100 ms puts every path through the same load, so
+/// the ratios between paths stay meaningful when the absolute numbers do not. A path
+/// whose workload fails is noted once and sits out the rest of the figure.
+fn interleave(
+    routes: &[Option<Route>; 4],
+    round: usize,
+    slices: usize,
+    notes: &mut Vec<String>,
+    fig: &str,
+    mut each: impl FnMut(&Route, usize) -> std::io::Result<()>,
+) {
+    let mut failed = [false; 4];
+    for _ in 0..slices {
+        for i in order(round) {
+            let Some(r) = &routes[i] else { continue };
+            if failed[i] {
+                continue;
+            }
+            if let Err(e) = each(r, i) {
+                failed[i] = true;
+                note_once(notes, format!("figure {fig} on {}: {e}", r.kind.name()));
+            }
+        }
+    }
+}
+
 /// Figures 1-4.
 pub fn sockets(dir: &Path, s: &Settings, notes: &mut Vec<String>) -> anyhow::Result<Vec<Row>> {
     let echo = EchoServer::start(&dir.join("echo.sock"))?;
@@ -125,35 +158,48 @@ pub fn sockets(dir: &Path, s: &Settings, notes: &mut Vec<String>) -> anyhow::Res
     let burst_rounds = s.rounds.min(3);
     for round in 0..s.rounds {
         eprintln!("bench: figures 1-4, round {} of {}", round + 1, s.rounds);
-        for i in order(round) {
-            let Some(r) = &routes[i] else { continue };
-            match client::rtt(&r.entry, s.window()) {
-                Ok(v) => {
-                    rtt50.push(r.kind, percentile(&v, 50.0).unwrap_or(f64::NAN));
-                    rtt99.push(r.kind, percentile(&v, 99.0).unwrap_or(f64::NAN));
-                }
-                Err(e) => note_once(notes, format!("figure 1 on {}: {e}", r.kind.name())),
+        let slices = slices(s);
+        let slice = s.window() / slices as u32;
+        if s.wants_figure("1") {
+            let mut v: [Vec<f64>; 4] = Default::default();
+            interleave(&routes, round, slices, notes, "1", |r, i| {
+                v[i].extend(client::rtt(&r.entry, slice)?);
+                Ok(())
+            });
+            for (i, v) in v.iter().enumerate().filter(|(_, v)| !v.is_empty()) {
+                rtt50.push(Kind::ALL[i], percentile(v, 50.0).unwrap_or(f64::NAN));
+                rtt99.push(Kind::ALL[i], percentile(v, 99.0).unwrap_or(f64::NAN));
             }
         }
-        for i in order(round) {
-            let Some(r) = &routes[i] else { continue };
-            match client::bulk(&r.entry, s.window()) {
-                Ok(v) => bulk.push(r.kind, v),
-                Err(e) => note_once(notes, format!("figure 2 on {}: {e}", r.kind.name())),
+        if s.wants_figure("2") {
+            // Longer slices: a bulk connection needs a moment to reach its pace.
+            let (n, len) = ((slices / 3).max(1), slice * 3);
+            let mut v: [Vec<f64>; 4] = Default::default();
+            interleave(&routes, round, n, notes, "2", |r, i| {
+                v[i].push(client::bulk(&r.entry, len)?);
+                Ok(())
+            });
+            for (i, v) in v.iter().enumerate().filter(|(_, v)| !v.is_empty()) {
+                // Slices of equal length: the mean rate is the rate over all of them.
+                bulk.push(Kind::ALL[i], v.iter().sum::<f64>() / v.len() as f64);
             }
         }
-        for i in order(round) {
-            let Some(r) = &routes[i] else { continue };
-            match client::setup(&r.entry, s.window()) {
-                Ok((v, rate)) => {
-                    cps.push(r.kind, rate);
-                    set50.push(r.kind, percentile(&v, 50.0).unwrap_or(f64::NAN));
-                    set99.push(r.kind, percentile(&v, 99.0).unwrap_or(f64::NAN));
-                }
-                Err(e) => note_once(notes, format!("figure 3 on {}: {e}", r.kind.name())),
+        if s.wants_figure("3") {
+            let mut v: [(Vec<f64>, Vec<f64>); 4] = Default::default();
+            interleave(&routes, round, slices, notes, "3", |r, i| {
+                let (samples, rate) = client::setup(&r.entry, slice)?;
+                v[i].0.extend(samples);
+                v[i].1.push(rate);
+                Ok(())
+            });
+            for (i, (t, rates)) in v.iter().enumerate().filter(|(_, v)| !v.1.is_empty()) {
+                let k = Kind::ALL[i];
+                cps.push(k, rates.iter().sum::<f64>() / rates.len() as f64);
+                set50.push(k, percentile(t, 50.0).unwrap_or(f64::NAN));
+                set99.push(k, percentile(t, 99.0).unwrap_or(f64::NAN));
             }
         }
-        if round < burst_rounds {
+        if round < burst_rounds && s.wants_figure("4") {
             for i in order(round) {
                 let Some(r) = &routes[i] else { continue };
                 let b = client::burst(&r.entry, s.burst, s.burst_threads);

@@ -101,8 +101,26 @@ pub fn direct(service: &Path) -> Route {
 
 /// Waits until a socket file exists (a listener is bound), or fails naming it.
 pub fn wait_for_socket(path: &Path, child: &mut Child, what: &str) -> io::Result<()> {
+    wait_until(path, child, what, Path::exists)
+}
+
+/// Waits until a socket accepts connections, or fails naming it. A file that exists may
+/// not be listening yet (a connect between `bind` and `listen` is refused), so a path is
+/// measured only once a connect succeeds.
+pub fn wait_for_listener(path: &Path, child: &mut Child, what: &str) -> io::Result<()> {
+    wait_until(path, child, what, |p| {
+        std::os::unix::net::UnixStream::connect(p).is_ok()
+    })
+}
+
+fn wait_until(
+    path: &Path,
+    child: &mut Child,
+    what: &str,
+    ready: impl Fn(&Path) -> bool,
+) -> io::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !path.exists() {
+    while !ready(path) {
         if let Ok(Some(status)) = child.try_wait() {
             return Err(io::Error::other(format!(
                 "{what} exited ({status}) before {} appeared",
@@ -143,7 +161,7 @@ fn hops(
             .stderr(Stdio::null())
             .spawn()
             .map_err(|e| io::Error::other(format!("cannot start {what}: {e}")))?;
-        let r = wait_for_socket(listen, &mut child, what);
+        let r = wait_for_listener(listen, &mut child, what);
         let pid = child.id();
         path.children.push(child);
         r?;
