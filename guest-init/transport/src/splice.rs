@@ -1,8 +1,9 @@
 //! `splice(2)` between two Unix stream sockets: the pump's copy-free path.
 //!
 //! Where both ends of a direction are Unix stream sockets (the host relay's hybrid-vsock
-//! socket and its service, the forwarder's app socket and a Unix target), the pump moves
-//! bytes socket → pipe → socket with `splice`, and they never enter our address space.
+//! socket and its service, the forwarder's app socket and a Unix target) and the flow is
+//! a bulk one (a read filled a whole pooled buffer), the pump moves the rest of it
+//! socket → pipe → socket with `splice`, and the bytes never enter our address space.
 //! Since Linux 6.5 a splice into a Unix socket hands the pipe's pages over
 //! (`MSG_SPLICE_PAGES`), and a splice out of one takes the pages of the sender's
 //! buffers, so a relayed chunk costs page references, not two copies of the bytes.
@@ -267,7 +268,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (client, relay_a) = pair(dir.path(), "a").await;
         let (relay_b, server) = pair(dir.path(), "b").await;
-        let pump = tokio::spawn(async move { crate::pump::copy(&relay_a, &relay_b).await });
+        let pump = tokio::spawn(async move { copy(&relay_a, &relay_b).await });
         let data = pattern(3 << 20);
         let sent = data.clone();
         let writer = tokio::spawn(async move {
