@@ -83,6 +83,12 @@ pub enum PublishError {
         /// The path.
         path: PathBuf,
     },
+    /// Something was created at the path while the socket was being published.
+    #[error("{}: something else created a file there while this socket was being published; refusing to replace it (find out what else uses the path)", path.display())]
+    Appeared {
+        /// The path.
+        path: PathBuf,
+    },
     /// The path cannot name a socket.
     #[error("{}: {reason}", path.display())]
     BadPath {
@@ -242,20 +248,8 @@ pub fn publish(
         Ok(()) => {}
         Err(Errno::EEXIST) => {
             // Something appeared at the path after it was cleared: not ours to replace.
-            let what = stat_at(&parent, name)
-                .ok()
-                .flatten()
-                .map(|s| kind_of(&s))
-                .unwrap_or("a file");
-            return Err(if what == "a socket" {
-                PublishError::Live {
-                    path: path.to_path_buf(),
-                }
-            } else {
-                PublishError::InTheWay {
-                    path: path.to_path_buf(),
-                    what,
-                }
+            return Err(PublishError::Appeared {
+                path: path.to_path_buf(),
             });
         }
         Err(e) => return Err(PublishError::io(path, "move the socket into place", e)),
@@ -411,7 +405,7 @@ impl PrivateDir {
             // The directory behind the descriptor must be the one just made: ours, 0700.
             let st = fstat(dir.fd.as_fd())
                 .map_err(|e| PublishError::io(&dir.path, "inspect the private directory", e))?;
-            if st.st_uid != Uid::effective().as_raw() || st.st_mode & 0o7777 != 0o700 {
+            if !is_private(st.st_uid, st.st_mode, Uid::effective().as_raw()) {
                 return Err(PublishError::io(
                     &dir.path,
                     "trust the private directory",
@@ -461,6 +455,13 @@ impl Drop for PrivateDir {
             }
         }
     }
+}
+
+/// Whether a directory with this owner and mode is private to `euid`: its owner, and mode
+/// exactly 0700 (anything else is not the directory just made with 0700, or was opened to
+/// others).
+fn is_private(owner: u32, mode: u32, euid: u32) -> bool {
+    owner == euid && mode & 0o7777 == 0o700
 }
 
 /// Binds a socket inside the private directory and gives it its mode and owner there.
@@ -516,4 +517,25 @@ fn make_parents(dir: &Path) -> Result<(), PublishError> {
         .map_err(|e| PublishError::io(d, "create the parent directory", e))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_our_own_0700_directory_is_private() {
+        const DIR: u32 = 0o040_000;
+        assert!(is_private(1000, DIR | 0o700, 1000));
+        assert!(!is_private(1001, DIR | 0o700, 1000), "someone else's");
+        assert!(
+            !is_private(0, DIR | 0o700, 1000),
+            "root's, seen by a non-root publisher"
+        );
+        for mode in [
+            0o701, 0o710, 0o750, 0o755, 0o777, 0o600, 0o500, 0o1700, 0o2700,
+        ] {
+            assert!(!is_private(1000, DIR | mode, 1000), "{mode:o}");
+        }
+    }
 }

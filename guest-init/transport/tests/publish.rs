@@ -218,3 +218,36 @@ fn a_symlink_swapped_in_during_publishing_never_redirects_owner_or_mode() {
         leftovers(dir.path())
     );
 }
+
+/// Every descriptor a publish leaves open (the listener, the directory handle the socket
+/// file keeps for its removal) is close-on-exec: a program the process starts, the app
+/// included, must not inherit a handle on the socket's directory or the listener.
+#[test]
+fn no_descriptor_is_inherited_by_a_program_started_later() {
+    let dir = tempfile::tempdir().unwrap();
+    let before: std::collections::BTreeSet<String> = open_fds();
+    let p = publish(&dir.path().join("s"), access(0o600), true).unwrap();
+    let new: Vec<String> = open_fds().difference(&before).cloned().collect();
+    assert!(new.len() >= 2, "listener and directory handle: {new:?}");
+    for fd in &new {
+        let Ok(raw) = fd.parse::<i32>() else { continue };
+        // SAFETY: F_GETFD reads the flags of a descriptor number; a number another test
+        // closed meanwhile just fails with EBADF.
+        let flags = unsafe { libc::fcntl(raw, libc::F_GETFD) };
+        if flags >= 0 {
+            assert_ne!(
+                flags & libc::FD_CLOEXEC,
+                0,
+                "descriptor {fd} lacks FD_CLOEXEC"
+            );
+        }
+    }
+    drop(p);
+}
+
+fn open_fds() -> std::collections::BTreeSet<String> {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect()
+}
