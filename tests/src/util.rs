@@ -35,57 +35,52 @@ pub fn target_dir() -> PathBuf {
         .unwrap_or_else(|| workspace_root().join("target"))
 }
 
-/// A host binary of the workspace, built for the host in the same profile as the tests.
-/// Builds it with cargo if it is not there yet.
-pub fn host_bin(name: &str) -> PathBuf {
-    let profile = if cfg!(debug_assertions) {
-        "debug"
-    } else {
-        "release"
-    };
-    let path = target_dir().join(profile).join(name);
-    if !path.exists() {
-        let mut cmd = std::process::Command::new(env!("CARGO"));
-        cmd.args(["build", "--quiet", "--bin", name]);
-        if profile == "release" {
-            cmd.arg("--release");
-        }
-        let status = cmd
-            .current_dir(workspace_root())
-            .status()
-            .expect("run cargo");
-        assert!(status.success(), "cargo build --bin {name} failed");
+/// Brings a workspace binary up to date with cargo, once per test process per binary (a
+/// no-op when it is current), so a test run with `-p e2e-tests` never exercises a binary
+/// built before the last edit: a planted regression in it must fail the test.
+fn build_once(name: &str, args: &[&str]) {
+    static BUILT: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let key = format!("{name} {args:?}");
+    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+    if built.contains(&key) {
+        return;
     }
-    path
+    let status = std::process::Command::new(env!("CARGO"))
+        .args(["build", "--quiet", "--bin", name])
+        .args(args)
+        .current_dir(workspace_root())
+        .status()
+        .expect("run cargo");
+    assert!(status.success(), "cargo build --bin {name} {args:?} failed");
+    built.push(key);
+}
+
+/// A host binary of the workspace, built for the host in the same profile as the tests
+/// (brought up to date first).
+pub fn host_bin(name: &str) -> PathBuf {
+    if cfg!(debug_assertions) {
+        build_once(name, &[]);
+        target_dir().join("debug").join(name)
+    } else {
+        build_once(name, &["--release"]);
+        target_dir().join("release").join(name)
+    }
 }
 
 /// A static musl binary of the workspace (what a VM boots), from `$<NAME>_MUSL` or the
-/// release musl target directory. Builds it if missing.
+/// release musl target directory (brought up to date first).
 pub fn musl_bin(name: &str) -> PathBuf {
     let var = format!("{}_MUSL", name.to_uppercase().replace('-', "_"));
     if let Some(p) = std::env::var_os(&var) {
         return PathBuf::from(p);
     }
-    let path = target_dir()
+    build_once(
+        name,
+        &["--release", "--target", "x86_64-unknown-linux-musl"],
+    );
+    target_dir()
         .join("x86_64-unknown-linux-musl/release")
-        .join(name);
-    if !path.exists() {
-        let status = std::process::Command::new(env!("CARGO"))
-            .args([
-                "build",
-                "--quiet",
-                "--release",
-                "--target",
-                "x86_64-unknown-linux-musl",
-                "--bin",
-                name,
-            ])
-            .current_dir(workspace_root())
-            .status()
-            .expect("run cargo");
-        assert!(status.success(), "musl build of {name} failed");
-    }
-    path
+        .join(name)
 }
 
 /// Whether missing tools fail tests (`REQUIRE_ALL=1`) rather than skip them.

@@ -188,6 +188,33 @@ mod tests {
         drop(server);
     }
 
+    /// The mirror case: the service closes its connection while the app keeps its socket
+    /// open and silent. The service's end is passed on, the service is gone, so the relay
+    /// ends (a host relay would otherwise hold the service's slot for as long as the app
+    /// sits on a dead connection).
+    #[tokio::test]
+    async fn a_closed_service_ends_the_relay_though_the_caller_stays_silent() {
+        let dir = tempfile::tempdir().unwrap();
+        let (client, relay_a) = pair(dir.path(), "a").await;
+        let (relay_b, server) = pair(dir.path(), "b").await;
+        let task = tokio::spawn(async move { relay(&relay_a, &relay_b).await });
+        client.write_all(b"q").await.unwrap();
+        let mut buf = [0u8; 8];
+        assert_eq!(server.read(&mut buf).await.unwrap(), 1);
+        drop(server);
+        assert_eq!(
+            client.read(&mut buf).await.unwrap(),
+            0,
+            "the service's end passed on"
+        );
+        // `client` stays open and silent. A hang here is the bug; 30 s only bounds it.
+        tokio::time::timeout(std::time::Duration::from_secs(30), task)
+            .await
+            .expect("the relay kept a connection whose service had gone")
+            .unwrap();
+        drop(client);
+    }
+
     /// A half-close is not a close: the caller that only shut its sending side still gets
     /// the reply, however late it comes.
     #[tokio::test]

@@ -119,3 +119,88 @@ async fn a_burst_at_stock_client_limit_queues_and_another_app_still_signs_in() {
     assert!(!relay_a.log().contains("refused"));
     drop(relay_b);
 }
+
+/// The documented default (`max_upstream` left out: 64) seen from the service's side: of
+/// 150 connections a guest opens at once to a service that accepts and never answers,
+/// the service sees exactly 64 until one of them ends; then the next queued one arrives.
+/// Nothing is refused.
+#[test]
+fn the_default_limit_is_64_as_the_service_sees_it() {
+    const OPEN: usize = 150;
+    const DEFAULT: usize = 64;
+    let _heavy = crate::support::heavy_lock();
+    raise_fd_limit();
+    let dir = tempfile::tempdir().unwrap();
+    let upstream_path = dir.path().join("service.sock");
+    let upstream = std::os::unix::net::UnixListener::bind(&upstream_path).unwrap();
+    let uds = dir.path().join("app.vsock");
+    let config = serde_json::json!({
+        "app": "app",
+        "vm": {"id": "vm-app", "gateways": ["10.0.2.2"]},
+        "transport": {"per_vm_socket": {"vsock_uds": uds}},
+        "services": [{"name": "plain", "port": 5002, "upstream": {"unix": upstream_path}}],
+    });
+    let relay = RelayProc::start(dir.path(), "relay", &config);
+
+    // The service: accepts, keeps every connection open, counts them all.
+    let held = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let arrived = Arc::new(AtomicUsize::new(0));
+    {
+        let (held, arrived) = (held.clone(), arrived.clone());
+        std::thread::spawn(move || {
+            for c in upstream.incoming() {
+                held.lock().unwrap().push(c.unwrap());
+                arrived.fetch_add(1, Ordering::SeqCst);
+            }
+        });
+    }
+    let count = || arrived.load(Ordering::SeqCst);
+    let wait_for = |n: usize| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while count() < n {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the service saw {} connections, expected {n}\nrelay log:\n{}",
+                count(),
+                relay.log()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    };
+
+    // The guest: opens OPEN connections at once on the service's port, each sending a byte.
+    let guests: Vec<_> = (0..OPEN)
+        .map(|_| {
+            let mut s = std::os::unix::net::UnixStream::connect(port_path(&uds, 5002)).unwrap();
+            std::io::Write::write_all(&mut s, b"x").unwrap();
+            s
+        })
+        .collect();
+    wait_for(DEFAULT);
+    // Give the relay every chance to exceed the limit before looking again.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert_eq!(
+        count(),
+        DEFAULT,
+        "with max_upstream left out the service must see 64 of this VM's connections at once"
+    );
+    // One ends; the next queued connection takes its place, not refused.
+    held.lock().unwrap().remove(0);
+    wait_for(DEFAULT + 1);
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert_eq!(
+        count(),
+        DEFAULT + 1,
+        "one ended, exactly one more may arrive"
+    );
+    assert_eq!(held.lock().unwrap().len(), DEFAULT);
+    // All end: every queued connection reaches the service.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while count() < OPEN && std::time::Instant::now() < deadline {
+        held.lock().unwrap().clear();
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert_eq!(count(), OPEN, "every queued connection reaches the service");
+    assert!(!relay.log().contains("refused"), "{}", relay.log());
+    drop(guests);
+}
