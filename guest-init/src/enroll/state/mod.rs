@@ -69,6 +69,8 @@ use super::{files, verify, EnrollError};
 use vm_transport::vsock::VMADDR_CID_HOST;
 use vm_transport::Endpoint;
 
+#[cfg(test)]
+mod scenarios;
 mod store;
 use store::{EnrolledRecord, PendingRecord};
 
