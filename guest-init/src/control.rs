@@ -46,8 +46,13 @@ const REFUSED: &[u8] = b"ERR not the host\n";
 const MAX_LINE: usize = 64;
 /// How long a client may take to send its line.
 const READ_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long to wait for the host to close after `ok stopping`.
-const LINGER: Duration = Duration::from_millis(500);
+/// How long to wait for the host to close after `ok stopping`. (Long in unit tests, so
+/// that the test of the wait cannot lose a race against it on a loaded machine.)
+const LINGER: Duration = if cfg!(test) {
+    Duration::from_secs(10)
+} else {
+    Duration::from_millis(500)
+};
 
 /// A control listener that could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -346,5 +351,29 @@ mod tests {
         s.read_to_end(&mut out).await.unwrap();
         assert_eq!(out, b"ok pong\n");
         assert!(rx.try_recv().is_err());
+    }
+
+    #[tokio::test]
+    async fn the_stop_waits_for_the_host_to_close() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("control.sock");
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let _h = start(&Endpoint::Unix(path.clone()), tx).unwrap();
+        let mut s = tokio::net::UnixStream::connect(&path).await.unwrap();
+        s.write_all(b"stop\n").await.unwrap();
+        let mut reply = [0u8; 12];
+        s.read_exact(&mut reply).await.unwrap();
+        assert_eq!(&reply, b"ok stopping\n");
+        assert_eq!(s.read(&mut [0u8; 1]).await.unwrap(), 0, "no half-close");
+        // The host has its answer but has not closed: powering off now could lose the
+        // answer on vsock, so the guest waits (given time to show it does not).
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(rx.try_recv().is_err(), "stopped before the host closed");
+        drop(s);
+        tokio::time::timeout(Duration::from_secs(5), rx.recv())
+            .await
+            .expect("no stop after the host closed")
+            .unwrap();
     }
 }
