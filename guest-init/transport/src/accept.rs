@@ -202,4 +202,108 @@ mod tests {
             BACKOFF_MAX
         );
     }
+
+    #[tokio::test]
+    async fn every_queued_connection_is_handed_over_with_a_reserve() {
+        let dir = tempfile::tempdir().unwrap();
+        let ep = crate::Endpoint::Unix(dir.path().join("s"));
+        let listener = ep.listen().unwrap();
+        // More than one batch, all queued before the loop runs.
+        let n = BATCH * 2 + 1;
+        let clients: Vec<_> = (0..n)
+            .map(|_| std::os::unix::net::UnixStream::connect(dir.path().join("s")).unwrap())
+            .collect();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let opts = Options { reserve: true };
+        let on_accept = move |a: Accepted| {
+            let _ = tx.send(a.reserve.is_some());
+        };
+        let on_error = |e: &io::Error, _: Failure, _: Duration| panic!("accept failed: {e}");
+        let loop_ = tokio::spawn(async move { run(&listener, opts, on_accept, on_error).await });
+        for i in 0..n {
+            let reserved = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+                .await
+                .unwrap_or_else(|_| panic!("connection {i} of {n} never handed over"))
+                .unwrap();
+            assert!(
+                reserved,
+                "connection {i} came without a reserved descriptor"
+            );
+        }
+        loop_.abort();
+        drop(clients);
+    }
+
+    /// The name of the test below, which re-runs this test binary as its child.
+    const EXHAUSTION_TEST: &str = "accept::tests::out_of_descriptors_the_loop_waits_doubling";
+
+    /// Out of descriptors, the loop neither spins nor gives up: each failure is reported
+    /// with a pause that doubles from [`BACKOFF_MIN`] to [`BACKOFF_MAX`], and the loop
+    /// sleeps it. Runs in a child process (its own descriptor limit) on a paused clock, so
+    /// the pauses pass in virtual time.
+    #[test]
+    fn out_of_descriptors_the_loop_waits_doubling() {
+        if std::env::var_os("VM_TRANSPORT_EXHAUSTION_CHILD").is_some() {
+            return exhaustion_child();
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                EXHAUSTION_TEST,
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("VM_TRANSPORT_EXHAUSTION_CHILD", "1")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stdout}\n{stderr}");
+        assert!(
+            stdout.contains("1 passed"),
+            "the child ran nothing: {stdout}"
+        );
+    }
+
+    fn exhaustion_child() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .start_paused(true)
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let listener = crate::Endpoint::Unix(dir.path().join("s"))
+                .listen()
+                .unwrap();
+            // Use up every descriptor the limit allows: the reserve cannot be opened.
+            let (_, hard) =
+                nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE).unwrap();
+            nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE, 64, hard)
+                .unwrap();
+            let mut hold = Vec::new();
+            while let Ok(fd) = nix::unistd::dup(std::io::stderr()) {
+                hold.push(fd);
+            }
+            let mut seen = Vec::new();
+            let on_error = |e: &io::Error, class: Failure, pause: Duration| {
+                assert_eq!(e.raw_os_error(), Some(libc::EMFILE), "{e}");
+                seen.push((class, pause));
+            };
+            let opts = Options { reserve: true };
+            let virtual_time = Duration::from_secs(3);
+            let _ =
+                tokio::time::timeout(virtual_time, run(&listener, opts, |_| {}, on_error)).await;
+            let pauses: Vec<u128> = seen.iter().map(|(_, p)| p.as_millis()).collect();
+            assert!(
+                seen.iter().all(|(c, _)| *c == Failure::Exhausted),
+                "{seen:?}"
+            );
+            // 5 + 10 + ... + 320 + 500 + 500 + ... ms fill the 3 s of virtual time.
+            assert_eq!(
+                pauses,
+                [5, 10, 20, 40, 80, 160, 320, 500, 500, 500, 500, 500]
+            );
+        });
+    }
 }
