@@ -471,11 +471,6 @@ impl Enroller<'_> {
     }
 }
 
-/// The path of the published certificate for a publish directory.
-pub fn published_cert(publish_dir: &Path) -> PathBuf {
-    publish_dir.join(PUBLISHED_CERT)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -521,10 +516,21 @@ mod tests {
         )
         .unwrap();
 
-        // Readable records: only the leftover goes.
+        // A CSR whose key is already gone (a crash between the two removals), and a file
+        // that is not a slot's.
+        let orphan = "0123456789abcdef.csr";
+        std::fs::write(dir.join(orphan), b"csr").unwrap();
+        std::fs::write(dir.join("notaslot.csr"), b"mine").unwrap();
+
+        // Readable records: only the leftovers go.
         e.collect_garbage();
         assert!(store.open(&live).unwrap().is_some());
         assert!(store.open(&leftover).unwrap().is_none());
+        assert!(!dir.join(orphan).exists(), "an orphaned CSR was kept");
+        assert!(
+            dir.join("notaslot.csr").exists(),
+            "a file that is no slot's was removed"
+        );
 
         // The enrolled record cannot be read (here: its mode was loosened, which the
         // private read refuses): doubt, so nothing is removed, the live key least of all.

@@ -29,6 +29,8 @@ enum Answer {
     Issue,
     /// A certificate for the CSR's identity but another key.
     WrongKey,
+    /// A certificate for the CSR's key and identity, 6 KiB long (an extra extension).
+    IssueLarge,
     /// This final error.
     Deny(ErrorCode),
 }
@@ -65,14 +67,19 @@ impl Service {
                 let answer = *a.lock().unwrap();
                 let resp = match answer {
                     Answer::Deny(code) => Response::error(code, "no"),
-                    Answer::Issue | Answer::WrongKey => {
+                    Answer::Issue | Answer::WrongKey | Answer::IssueLarge => {
                         let other;
                         let (uri, mut key) = csr_contents(&csr);
                         if answer == Answer::WrongKey {
                             other = P256Key::generate("test").unwrap();
                             key = other.public_sec1().to_vec();
                         }
-                        Response::ok(&issue(&ca, &uri, key))
+                        let padding = if answer == Answer::IssueLarge {
+                            6 * 1024
+                        } else {
+                            0
+                        };
+                        Response::ok(&issue(&ca, &uri, key, padding))
                     }
                 };
                 s.write_all(&resp.to_line()).await.unwrap();
@@ -125,8 +132,9 @@ impl rcgen::PublicKeyData for Spki {
     }
 }
 
-/// A workload certificate for `key` and `uri`, signed by `ca`.
-fn issue(ca: &P256Key, uri: &str, key: Vec<u8>) -> Vec<u8> {
+/// A workload certificate for `key` and `uri`, signed by `ca`; with `padding`, a private
+/// non-critical extension of that many bytes makes it larger.
+fn issue(ca: &P256Key, uri: &str, key: Vec<u8>, padding: u16) -> Vec<u8> {
     let mut p = rcgen::CertificateParams::default();
     p.serial_number = Some(vec![7].into());
     p.subject_alt_names = vec![rcgen::SanType::URI(uri.to_owned().try_into().unwrap())];
@@ -136,6 +144,17 @@ fn issue(ca: &P256Key, uri: &str, key: Vec<u8>) -> Vec<u8> {
     p.is_ca = rcgen::IsCa::ExplicitNoCa;
     p.key_usages = vec![rcgen::KeyUsagePurpose::DigitalSignature];
     p.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+    if padding > 0 {
+        // An OCTET STRING of `padding` bytes under a private-enterprise OID.
+        let [hi, lo] = padding.to_be_bytes();
+        let mut content = vec![0x04, 0x82, hi, lo];
+        content.resize(4 + usize::from(padding), 0x5a);
+        p.custom_extensions
+            .push(rcgen::CustomExtension::from_oid_content(
+                &[1, 3, 6, 1, 4, 1, 99999, 1],
+                content,
+            ));
+    }
     let mut ca_params = rcgen::CertificateParams::default();
     ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
     let issuer = rcgen::Issuer::new(ca_params, RcgenSigner(ca));
@@ -143,6 +162,10 @@ fn issue(ca: &P256Key, uri: &str, key: Vec<u8>) -> Vec<u8> {
 }
 
 fn material(epoch: u64) -> Material {
+    material_with_token(epoch, &format!("tok_{epoch}_abcdefghijklmnopqrstuvwxyz"))
+}
+
+fn material_with_token(epoch: u64, token: &str) -> Material {
     let doc = serde_json::json!({
         "version": 1,
         "workspace_namespace": "ns",
@@ -150,7 +173,7 @@ fn material(epoch: u64) -> Material {
         "workspace_uid": "wu",
         "vm_uid": "vm",
         "revocation_epoch": epoch,
-        "token": format!("tok_{epoch}_abcdefghijklmnopqrstuvwxyz"),
+        "token": token,
         "expires_at": 4_000_000_000u64,
         "enrollment_port": 5002,
     });
@@ -193,6 +216,11 @@ impl Env {
 
     async fn run(&self, store: &dyn KeyStore, epoch: Option<u64>) -> Result<Outcome, EnrollError> {
         self.enroller(store, false).run(epoch.map(material)).await
+    }
+
+    async fn run_token(&self, store: &dyn KeyStore, token: &str) -> Result<Outcome, EnrollError> {
+        let m = material_with_token(2, token);
+        self.enroller(store, false).run(Some(m)).await
     }
 
     /// The floor as the file on disk says.
@@ -387,4 +415,111 @@ async fn a_certificate_for_another_key_is_not_stored_published_or_a_floor() {
     // Nothing enrolled and no material: there is nothing to republish.
     let e = env.run(&store, None).await.unwrap_err();
     assert!(matches!(e, EnrollError::NoMaterial), "{e}");
+}
+
+#[tokio::test]
+async fn a_new_token_for_the_pending_identity_is_remembered() {
+    let env = Env::new();
+    let (a, b, c) = (
+        "tok_a_abcdefghijklmnopqrstuvwxyz",
+        "tok_b_abcdefghijklmnopqrstuvwxyz",
+        "tok_c_abcdefghijklmnopqrstuvwxyz",
+    );
+    let mem = MemoryKeyStore::new().unwrap();
+    env.svc.answer(Answer::Deny(ErrorCode::Unavailable));
+    env.run_token(&mem, a).await.unwrap_err();
+    // New material for the same identity: the same key and CSR, under the new token.
+    env.run_token(&mem, b).await.unwrap_err();
+    let csrs = env.svc.csrs();
+    assert_eq!(csrs[0], csrs[1]);
+    // After a restart the key is gone. The CSR was last sent under token b: a new CSR
+    // for b would be denied, so that is final; token c is a fresh start.
+    drop(mem);
+    let mem = MemoryKeyStore::new().unwrap();
+    let e = env.run_token(&mem, b).await.unwrap_err();
+    assert!(matches!(e, EnrollError::KeyLost), "{e}");
+    assert_eq!(env.svc.csrs().len(), 2, "a second CSR was sent for token b");
+    env.run_token(&mem, c).await.unwrap_err();
+    let csrs = env.svc.csrs();
+    assert_eq!(csrs.len(), 3);
+    assert_ne!(csrs[2], csrs[0], "token c must come with a new key");
+}
+
+#[tokio::test]
+async fn refusals_never_cost_the_enrolled_key() {
+    let env = Env::new();
+    let store = FileKeyStore::open_dir(&env.state).unwrap();
+    let enrolled = env.run(&store, Some(3)).await.unwrap();
+    let s1 = slot(&enrolled).to_owned();
+    // A crash between writing enrolled.json and removing pending.json leaves a pending
+    // record naming the enrolled key.
+    let m = material(3);
+    let pending = PendingRecord {
+        identity: m.identity(),
+        slot: s1.clone(),
+        token_sha256: m.token.sha256_hex(),
+    };
+    env.enroller(&store, false)
+        .write_record(PENDING, &pending)
+        .unwrap();
+
+    env.svc.answer(Answer::Deny(ErrorCode::Denied));
+    // Material for epoch 9 supersedes that record (keeping the enrolled key), then is
+    // refused; its pending record and key stay, for a later run.
+    env.run(&store, Some(9)).await.unwrap_err();
+    assert!(store.open(&s1).unwrap().is_some(), "the enrolled key went");
+    let slots = store.slots().unwrap();
+    assert_eq!(slots.len(), 2);
+    // Epoch 10 supersedes epoch 9's pending record, whose key goes at once (the run
+    // fails, so no garbage collection does it).
+    env.run(&store, Some(10)).await.unwrap_err();
+    let now = store.slots().unwrap();
+    assert_eq!(now.len(), 2, "{now:?}");
+    assert!(now.contains(&s1));
+    // A pushed, refused epoch 11: its own key goes, the enrolled one stays.
+    env.enroller(&store, true)
+        .run(Some(material(11)))
+        .await
+        .unwrap_err();
+    assert_eq!(store.slots().unwrap(), vec![s1.clone()]);
+    assert!(!env.exists(PENDING));
+    assert_eq!(env.floor(), Some(3));
+    // And the enrolled certificate is still served.
+    let o = env.run(&store, None).await.unwrap();
+    assert_eq!(
+        o,
+        Outcome::AlreadyEnrolled {
+            uri: m.identity().uri(),
+            slot: s1
+        }
+    );
+}
+
+#[tokio::test]
+async fn the_lock_is_never_taken_through_a_symlink() {
+    let env = Env::new();
+    let store = FileKeyStore::open_dir(&env.state).unwrap();
+    let elsewhere = env.state.with_extension("elsewhere");
+    std::os::unix::fs::symlink(&elsewhere, env.state.join("lock")).unwrap();
+    let e = env.run(&store, Some(1)).await.unwrap_err();
+    assert!(matches!(e, EnrollError::State { .. }), "{e}");
+    assert!(e.to_string().contains("lock"), "{e}");
+    assert!(!elsewhere.exists(), "the symlink was followed");
+    assert!(env.svc.csrs().is_empty());
+}
+
+#[tokio::test]
+async fn a_large_certificate_is_stored_and_read_back() {
+    let env = Env::new();
+    let store = FileKeyStore::open_dir(&env.state).unwrap();
+    env.svc.answer(Answer::IssueLarge);
+    let first = env.run(&store, Some(1)).await.unwrap();
+    let crt = std::fs::metadata(env.state.join(format!("{}.crt", slot(&first)))).unwrap();
+    assert!(crt.len() > 6 * 1024, "{} bytes", crt.len());
+    let again = env.run(&store, Some(1)).await.unwrap();
+    assert!(
+        matches!(again, Outcome::AlreadyEnrolled { .. }),
+        "{again:?}"
+    );
+    assert_eq!(env.svc.csrs().len(), 1);
 }
