@@ -151,9 +151,7 @@ pub(crate) async fn dial(target: &Endpoint, policy: &DialPolicy) -> Result<Conn,
         let remaining = deadline.saturating_duration_since(Instant::now());
         let error = match tokio::time::timeout(remaining, target.connect()).await {
             Ok(Ok(conn)) => {
-                if attempt > 1 {
-                    debug!("reached {target} at attempt {attempt}");
-                }
+                debug!("reached {target} at attempt {attempt}");
                 return Ok(conn);
             }
             Ok(Err(e)) => e,
