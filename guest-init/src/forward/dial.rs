@@ -289,7 +289,8 @@ mod tests {
             assert_eq!(ok, Ok(()));
         }
         // One past each end is refused, naming the field.
-        let refused: [(fn(&mut DialPolicy), &str); 8] = [
+        type Edit = fn(&mut DialPolicy);
+        let refused: [(Edit, &str); 8] = [
             (|p| p.attempts = 0, "attempts"),
             (|p| p.attempts = 1001, "attempts"),
             (|p| p.backoff_initial_ms = 0, "backoff_initial_ms"),

@@ -55,7 +55,7 @@
 
 use std::fs::OpenOptions;
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -477,7 +477,7 @@ mod tests {
     use crate::enroll::file_store::FileKeyStore;
     use std::os::unix::fs::PermissionsExt;
 
-    fn enroller<'a>(dir: &Path, store: &'a dyn KeyStore) -> Enroller<'a> {
+    fn enroller<'a>(dir: &std::path::Path, store: &'a dyn KeyStore) -> Enroller<'a> {
         Enroller {
             state_dir: dir.to_path_buf(),
             publish_dir: dir.with_extension("publish"),
