@@ -234,6 +234,49 @@ mod tests {
         drop(clients);
     }
 
+    /// A burst is drained a batch at a time: each wake-up takes up to [`BATCH`] queued
+    /// connections, then the loop lets other work run. An observer polled between the
+    /// loop's turns sees the count grow by whole batches.
+    #[test]
+    fn a_burst_is_taken_in_batches_between_which_other_tasks_run() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("s");
+            let listener = crate::Endpoint::Unix(path.clone()).listen().unwrap();
+            let n = BATCH * 3;
+            let clients: Vec<_> = (0..n)
+                .map(|_| std::os::unix::net::UnixStream::connect(&path).unwrap())
+                .collect();
+            let count = std::rc::Rc::new(std::cell::Cell::new(0));
+            let c = std::rc::Rc::clone(&count);
+            let on_accept = move |_: Accepted| c.set(c.get() + 1);
+            let on_error = |e: &io::Error, _: Failure, _: Duration| panic!("accept failed: {e}");
+            let accepting = run(&listener, Options::default(), on_accept, on_error);
+            let observing = async {
+                let mut seen = Vec::new();
+                while count.get() < n {
+                    if seen.last() != Some(&count.get()) {
+                        seen.push(count.get());
+                    }
+                    tokio::task::yield_now().await;
+                }
+                seen
+            };
+            // Polled in this order on every wake-up: the observer, then one turn of the loop.
+            let seen = tokio::select! {
+                biased;
+                seen = observing => seen,
+                () = accepting => unreachable!("the accept loop ended"),
+            };
+            assert_eq!(seen, [0, BATCH, 2 * BATCH], "counts seen between turns");
+            drop(clients);
+        });
+    }
+
     /// The name of the test below, which re-runs this test binary as its child.
     const EXHAUSTION_TEST: &str = "accept::tests::out_of_descriptors_the_loop_waits_doubling";
 
