@@ -11,7 +11,8 @@ mkdir -p "$CACHE"
 say() { printf '[setup] %s\n' "$*"; }
 
 APT_PKGS=(qemu-system-x86 socat dovecot-core cpio gzip e2fsprogs iproute2 kmod file
-          util-linux python3-venv debootstrap musl-tools busybox-static xz-utils zstd)
+          util-linux python3-venv debootstrap musl-tools busybox-static xz-utils zstd
+          libfaketime)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

@@ -9,10 +9,14 @@
 //!  "revocation_epoch": 18446744073709551615,
 //!  "token": "<43..256 characters of A-Z a-z 0-9 - _>",
 //!  "expires_at": 1790000000,
-//!  "enrollment_port": 5002}
+//!  "enrollment_port": 5002,
+//!  "management_ca": "<standard base64 of the management CA certificate's DER>"}
 //! ```
 //!
-//! `expires_at` is Unix seconds. It arrives either as a file (mode 0600, owned by root, on
+//! `expires_at` is Unix seconds. `management_ca` pins the one CA whose certificates the
+//! guest accepts (see [`super::ca`]); it is required, and material without it is refused
+//! naming the field: a guest that accepted any issuer would take its identity from
+//! whoever answers on the enrollment port. It arrives either as a file (mode 0600, owned by root, on
 //! the image or a config disk; see [`read_file`]) or as a one-time push from the host on a
 //! port the guest listens on (see [`receive_push`]).
 //!
@@ -30,20 +34,20 @@
 //! protection is its mode and the root-only directory it sits in.
 //!
 //! Threat: a loose or planted bootstrap file (mode, owner and symlink checks), a token
-//! leaking through logs or errors, ambiguous or partial input changing the identity, and
-//! a push listener deleting whatever file sits at its path.
+//! leaking through logs or errors, ambiguous or partial input changing the identity,
+//! and material without a usable CA pin (refused, so no issuer is ever trusted by
+//! default). The push listener's threats are stated in [`super::push`].
 
 use std::fmt;
 use std::io;
 use std::path::Path;
-use std::time::Duration;
 
 use serde::{Deserialize, Deserializer};
 use sha2::{Digest, Sha256};
 use zeroize::Zeroizing;
 
 use super::identity::Identity;
-use vm_transport::{Conn, Endpoint, Peer};
+pub use super::push::receive_push;
 
 /// The largest bootstrap document accepted.
 pub const MAX_MATERIAL_BYTES: usize = 4096;
@@ -65,6 +69,7 @@ const FIELDS: &[&str] = &[
     "token",
     "expires_at",
     "enrollment_port",
+    "management_ca",
 ];
 
 /// The bootstrap token. Wiped on drop; never printed.
@@ -150,6 +155,8 @@ pub struct Material {
     pub expires_at: u64,
     /// The enrollment service's vsock port on the host (CID 2).
     pub enrollment_port: u32,
+    /// The pinned management CA: the only issuer accepted.
+    pub management_ca: super::ca::ManagementCa,
 }
 
 /// Bootstrap material that cannot be used. Messages never contain input values.
@@ -313,159 +320,6 @@ pub fn read_file(path: &Path) -> Result<Option<Material>, MaterialError> {
     Material::parse(&bytes, &origin).map(Some)
 }
 
-/// Waits for the host to push bootstrap material once, on `listen`.
-///
-/// Only the host may push: on vsock the peer's CID must be 2 (the kernel sets it, the peer
-/// cannot), on a Unix socket the peer must be root. The host writes the JSON and shuts
-/// down its write side; the guest answers `ok\n` or `error <reason>\n` (a reason without
-/// input values). A bad push is answered and the guest keeps listening, so one mistaken
-/// connection cannot make the VM give up; the first good one ends the wait. The material
-/// is kept in memory only: a restarted guest needs a new push.
-///
-/// CID 2 is *any* process on the host (under vhost-vsock, unprivileged users included),
-/// so a pushed document is not trusted to be the platform's: the caller sends it only to
-/// the configured service, and goes back to waiting if the service refuses it
-/// (see [`super::run`]).
-///
-/// A Unix `listen` path may hold only a stale socket (one nobody listens on), which is
-/// replaced; a regular file, a directory, a symlink or a live socket there is refused,
-/// never removed.
-pub async fn receive_push(listen: &Endpoint, read_timeout: Duration) -> io::Result<Material> {
-    if let Some(p) = listen.unix_path() {
-        remove_stale_socket(p)?;
-    }
-    let listener = listen.listen_with_backlog(4)?;
-    let result = loop {
-        let (conn, peer) = match listener.accept().await {
-            Ok(c) => c,
-            Err(e) => {
-                crate::warn!("enroll: bootstrap push accept on {listen} failed: {e}");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        if let Err(why) = admit_pusher(&conn, &peer) {
-            crate::warn!("enroll: refused bootstrap push from {peer}: {why}");
-            // Answered on its own task: a stream of refused peers must not delay the host.
-            tokio::spawn(answer_error(conn, why));
-            continue;
-        }
-        let origin = format!("pushed by {peer} on {listen}");
-        let parsed = match tokio::time::timeout(read_timeout, read_to_end_bounded(&conn)).await {
-            Err(_) => Err(format!("{origin}: not received within {read_timeout:?}")),
-            Ok(Err(e)) => Err(format!("{origin}: {e}")),
-            Ok(Ok(None)) => Err(MaterialError::Oversized { origin }.to_string()),
-            Ok(Ok(Some(bytes))) => Material::parse(&bytes, &origin).map_err(|e| e.to_string()),
-        };
-        match parsed {
-            Ok(m) => {
-                let _ = conn.write_all(b"ok\n").await;
-                break m;
-            }
-            Err(why) => {
-                crate::warn!("enroll: {why}");
-                answer_error(conn, why).await;
-            }
-        }
-    };
-    drop(listener);
-    if let Some(p) = listen.unix_path() {
-        let _ = std::fs::remove_file(p);
-    }
-    Ok(result)
-}
-
-/// Makes room for the push socket at `path`: nothing there is fine; a socket nobody
-/// listens on (left by an earlier run) is removed; anything else — a regular file, a
-/// directory, a symlink, a socket something still listens on — is refused, never removed.
-fn remove_stale_socket(path: &Path) -> io::Result<()> {
-    use std::os::unix::fs::FileTypeExt;
-    let md = match std::fs::symlink_metadata(path) {
-        Ok(md) => md,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(e),
-    };
-    if !md.file_type().is_socket() {
-        return Err(io::Error::new(
-            io::ErrorKind::AlreadyExists,
-            format!(
-                "bootstrap.push.listen: {} exists and is not a socket; remove it or choose another path",
-                path.display()
-            ),
-        ));
-    }
-    match std::os::unix::net::UnixStream::connect(path) {
-        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => std::fs::remove_file(path),
-        Ok(_) => Err(io::Error::new(
-            io::ErrorKind::AddrInUse,
-            format!(
-                "bootstrap.push.listen: something is listening on {} already; stop it or choose another path",
-                path.display()
-            ),
-        )),
-        Err(e) => Err(io::Error::new(
-            e.kind(),
-            format!(
-                "bootstrap.push.listen: cannot tell whether the socket {} is stale: {e}; remove it if nothing uses it",
-                path.display()
-            ),
-        )),
-    }
-}
-
-fn admit_pusher(conn: &Conn, peer: &Peer) -> Result<(), String> {
-    match peer {
-        Peer::Vsock { cid, .. } if *cid == vm_transport::vsock::VMADDR_CID_HOST => Ok(()),
-        Peer::Vsock { cid, .. } => Err(format!("peer CID {cid} is not the host (2)")),
-        Peer::Unix => match conn.peer_cred() {
-            Ok(c) if c.uid() == 0 => Ok(()),
-            Ok(c) => Err(format!("peer uid {} is not root", c.uid())),
-            Err(e) => Err(format!("cannot read peer credentials: {e}")),
-        },
-        Peer::Tcp(_) => Err("TCP peers cannot push bootstrap material".into()),
-    }
-}
-
-/// Answers `error <why>` and lets the pusher read it.
-///
-/// Closing a Unix socket with unread input resets the connection, and a pusher still
-/// writing its document then sees `EPIPE` or `ECONNRESET` and never reads the answer. So
-/// the write side is shut and the rest of the input is read and discarded (into a buffer
-/// wiped afterwards: a refused peer may have sent a token), bounded in bytes and time so a
-/// flood cannot hold the connection open.
-async fn answer_error(conn: Conn, why: String) {
-    let _ = conn.write_all(format!("error {why}\n").as_bytes()).await;
-    let _ = conn.shutdown_write();
-    let mut sink = Zeroizing::new([0u8; 4096]);
-    let _ = tokio::time::timeout(Duration::from_secs(3), async {
-        for _ in 0..16 {
-            if !matches!(conn.read(&mut sink[..]).await, Ok(n) if n > 0) {
-                break;
-            }
-        }
-    })
-    .await;
-}
-
-/// Reads to end of stream; `None` if more than [`MAX_MATERIAL_BYTES`] arrive.
-async fn read_to_end_bounded(conn: &Conn) -> io::Result<Option<Zeroizing<Vec<u8>>>> {
-    let mut buf = Zeroizing::new(vec![0u8; MAX_MATERIAL_BYTES + 1]);
-    let mut len = 0;
-    loop {
-        if len > MAX_MATERIAL_BYTES {
-            return Ok(None);
-        }
-        let n = conn.read(&mut buf[len..]).await?;
-        if n == 0 {
-            break;
-        }
-        len += n;
-    }
-    let mut out = Zeroizing::new(Vec::with_capacity(len));
-    out.extend_from_slice(&buf[..len]);
-    Ok(Some(out))
-}
-
 /// Lowercase hex.
 pub fn hex(bytes: &[u8]) -> String {
     use fmt::Write;
@@ -482,12 +336,58 @@ mod tests {
 
     const TOKEN: &str = "tok_SECRETSECRETSECRETSECRETSECRET0123";
 
+    fn ca_b64() -> String {
+        use base64::Engine;
+        let ca = crate::enroll::ca::tests::TestCa::new("management CA");
+        base64::engine::general_purpose::STANDARD.encode(ca.pin.der())
+    }
+
     fn doc(extra: &str) -> String {
+        doc_with_ca(&format!(r#","management_ca":"{}""#, ca_b64()), extra)
+    }
+
+    fn doc_with_ca(ca: &str, extra: &str) -> String {
         format!(
             r#"{{"version":1,"workspace_namespace":"team-a","workspace_name":"ws1",
             "workspace_uid":"u-1","vm_uid":"vm-1","revocation_epoch":18446744073709551615,
-            "token":"{TOKEN}","expires_at":1790000000,"enrollment_port":5002{extra}}}"#
+            "token":"{TOKEN}","expires_at":1790000000,"enrollment_port":5002{ca}{extra}}}"#
         )
+    }
+
+    #[test]
+    fn the_management_ca_is_required_and_must_be_a_usable_ca() {
+        let e = Material::parse(doc_with_ca("", "").as_bytes(), "test")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("missing field `management_ca`"), "{e}");
+        // A leaf certificate (not a CA) in base64, and text that is not base64.
+        use base64::Engine;
+        let key = crate::enroll::keystore::P256Key::generate("test").unwrap();
+        let mut leaf = rcgen::CertificateParams::default();
+        leaf.serial_number = Some(vec![1].into());
+        let leaf = leaf
+            .self_signed(&crate::enroll::keystore::RcgenSigner(&key))
+            .unwrap();
+        let leaf = base64::engine::general_purpose::STANDARD.encode(leaf.der());
+        for (ca, want) in [
+            (
+                leaf.as_str(),
+                "management_ca: the pinned CA certificate is not a CA",
+            ),
+            ("%%%", "management_ca: not standard base64"),
+            (
+                "AAAA",
+                "management_ca: the pinned CA certificate is not a DER",
+            ),
+        ] {
+            let d = doc_with_ca(&format!(r#","management_ca":"{ca}""#), "");
+            let e = Material::parse(d.as_bytes(), "test")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want), "{want}: {e}");
+        }
+        let m = Material::parse(doc("").as_bytes(), "test").unwrap();
+        assert_eq!(m.management_ca.subject(), "CN=management CA");
     }
 
     #[test]

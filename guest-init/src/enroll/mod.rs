@@ -6,13 +6,16 @@
 //! CSR. It fences on the VM UID and the revocation epoch (seed 000). This module is the
 //! guest side that service needs:
 //!
-//! - [`material`]: the bootstrap material (identity, secret token, expiry, port), strict
-//!   and bounded, from a root-only file or a one-time host push;
+//! - [`material`]: the bootstrap material (identity, secret token, expiry, port, pinned
+//!   management CA), strict and bounded, from a root-only file or a one-time host push;
+//! - [`push`]: the one-time bootstrap push from the host;
+//! - [`ca`]: the pinned management CA and the signature check of issued certificates;
 //! - [`identity`]: the identity and its URI form in the CSR and certificate;
 //! - [`keystore`] with [`file_store`] and [`memory_store`]: where the P-256 key lives;
 //! - [`csr`]: the CSR, signed through rcgen's external-signer traits;
 //! - [`protocol`] and [`client`]: the versioned one-line JSON exchange and its retries;
-//! - [`verify`]: checks on the returned certificate;
+//! - [`verify`]: checks on the returned certificate (issuer, key, validity, identity,
+//!   profile);
 //! - [`state`]: the durable state machine tying them together (persist before send,
 //!   identical retries, epoch floor, identity changes, the lock);
 //! - [`files`]: atomic, durable, private file writes.
@@ -32,6 +35,7 @@
 //! the wiped request buffer; private keys only inside a key store. No error or log line in
 //! this module formats either; errors carry paths, field names, codes and hashes.
 
+pub mod ca;
 pub mod client;
 pub mod csr;
 pub mod file_store;
@@ -41,6 +45,7 @@ pub mod keystore;
 pub mod material;
 pub mod memory_store;
 pub mod protocol;
+pub mod push;
 pub mod state;
 pub mod verify;
 
@@ -125,6 +130,11 @@ pub struct EnrollConfig {
     /// Retry policy for retryable errors.
     #[serde(default)]
     pub retry: RetryPolicy,
+    /// The management CA the image pins (standard base64 of its DER). Required with a push
+    /// source: a pushed document must not choose the CA it is checked against. With a file
+    /// source it is optional; when set, the material's `management_ca` must be this CA.
+    #[serde(default)]
+    pub management_ca: Option<ca::ManagementCa>,
 }
 
 /// An enrollment error. Messages never contain the token or key material.
@@ -238,10 +248,15 @@ pub fn validate(cfg: &EnrollConfig) -> Result<(), String> {
                 .validate()
                 .map_err(|e| format!("bootstrap.push.listen: {e}"))?;
             // Any host process may push: a pushed document must not choose where the
-            // token goes and which service confirms the epoch.
+            // token goes, which service confirms the epoch, or which CA it trusts.
             if cfg.service.is_none() {
                 return Err(
                     "service: required with bootstrap.push (a pushed document must not choose the enrollment service); set it, e.g. {\"vsock\": {\"cid\": 2, \"port\": 5002}}".into(),
+                );
+            }
+            if cfg.management_ca.is_none() {
+                return Err(
+                    "management_ca: required with bootstrap.push (a pushed document must not choose the CA its certificate is checked against); set it to the base64 DER of the management CA certificate".into(),
                 );
             }
         }
@@ -300,6 +315,12 @@ pub async fn run(cfg: &EnrollConfig) -> Result<Outcome, EnrollError> {
     match &cfg.bootstrap {
         BootstrapSource::File(p) => {
             let material = material::read_file(p)?;
+            if let Some(m) = &material {
+                pinned_by_config(cfg, m).map_err(|reason| material::MaterialError::Invalid {
+                    origin: p.display().to_string(),
+                    reason,
+                })?;
+            }
             with_store(cfg, false, |e| Box::pin(e.run(material))).await
         }
         BootstrapSource::Push { listen } => loop {
@@ -310,6 +331,12 @@ pub async fn run(cfg: &EnrollConfig) -> Result<Outcome, EnrollError> {
                     what: format!("listen for bootstrap material on {listen}"),
                     source: e,
                 })?;
+            if let Err(why) = pinned_by_config(cfg, &material) {
+                crate::warn!(
+                    "enroll: the pushed bootstrap material was refused ({why}); discarded, waiting for another push"
+                );
+                continue;
+            }
             match with_store(cfg, true, |e| Box::pin(e.run(Some(material)))).await {
                 Err(e) if e.refuses_material() => {
                     crate::warn!(
@@ -319,6 +346,20 @@ pub async fn run(cfg: &EnrollConfig) -> Result<Outcome, EnrollError> {
                 other => return other,
             }
         },
+    }
+}
+
+/// With a configured `management_ca`, the material must pin that same CA.
+fn pinned_by_config(cfg: &EnrollConfig, m: &material::Material) -> Result<(), String> {
+    match &cfg.management_ca {
+        Some(ca) if ca.der() != m.management_ca.der() => Err(format!(
+            "management_ca: the material pins {} (key sha256 {}), but the configuration pins {} (key sha256 {}); provision material for this image's management CA",
+            m.management_ca.subject(),
+            m.management_ca.spki_sha256_hex(),
+            ca.subject(),
+            ca.spki_sha256_hex()
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -459,16 +500,29 @@ mod tests {
     }
 
     #[test]
-    fn a_push_source_needs_a_configured_service() {
+    fn a_push_source_needs_a_configured_service_and_ca() {
+        use base64::Engine;
+        let ca = base64::engine::general_purpose::STANDARD
+            .encode(ca::tests::TestCa::new("management CA").pin.der());
         let push = serde_json::json!({"push": {"listen": {"unix": "/run/push.sock"}}});
         let e = validate(&section(serde_json::json!({"bootstrap": push}))).unwrap_err();
         assert!(
             e.starts_with("service: required with bootstrap.push"),
             "{e}"
         );
+        let e = validate(&section(serde_json::json!({
+            "bootstrap": push,
+            "service": {"vsock": {"cid": 2, "port": 5002}},
+        })))
+        .unwrap_err();
+        assert!(
+            e.starts_with("management_ca: required with bootstrap.push"),
+            "{e}"
+        );
         validate(&section(serde_json::json!({
             "bootstrap": push,
             "service": {"vsock": {"cid": 2, "port": 5002}},
+            "management_ca": ca,
         })))
         .unwrap();
     }

@@ -3,43 +3,63 @@
 //! The guest accepts a certificate only if it fits the workload profile the enrollment
 //! service issues:
 //! 1. it is one well-formed DER X.509 certificate with nothing after it;
-//! 2. no extension appears twice (a second `basicConstraints` saying `cA: TRUE` must not
+//! 2. it was issued by the pinned management CA of the bootstrap material: issuer name,
+//!    `ecdsa-with-SHA256`, and the signature verified under the CA's key (see
+//!    [`super::ca`]); a certificate from any other CA is refused naming its issuer;
+//! 3. no extension appears twice (a second `basicConstraints` saying `cA: TRUE` must not
 //!    hide behind a first one that a parser happens to read);
-//! 3. its key is EC on P-256 (`id-ecPublicKey`, `prime256v1`), and its subject public key
+//! 4. its key is EC on P-256 (`id-ecPublicKey`, `prime256v1`), and its subject public key
 //!    is exactly our key (SEC1 point equality): a certificate for another key, even a
 //!    valid one, would be useless and could hide a mix-up of CSRs;
-//! 4. it is within its validity window now (`notBefore` may be up to
-//!    [`CLOCK_SKEW`] in the future, for a guest clock slightly behind the service's);
-//! 5. its subject alternative names are exactly one, a URI equal to our identity URI
+//! 5. it is within its validity window by the guest clock, with [`CLOCK_SKEW`] of
+//!    tolerance on `notBefore` (see below);
+//! 6. its subject alternative names are exactly one, a URI equal to our identity URI
 //!    (workspace, VM UID, epoch): no other identity (URI, DNS name, address, mail) may
 //!    ride along;
-//! 6. it is not a CA certificate;
-//! 7. `keyUsage` is present, has `digitalSignature`, and has neither `keyCertSign` nor
+//! 7. it is not a CA certificate;
+//! 8. `keyUsage` is present, has `digitalSignature`, and has neither `keyCertSign` nor
 //!    `cRLSign` (a workload key signs handshakes, never certificates or CRLs);
-//! 8. `extendedKeyUsage` is present and has `clientAuth` (the VM authenticates to
+//! 9. `extendedKeyUsage` is present and has `clientAuth` (the VM authenticates to
 //!    platform services with it); `serverAuth` may accompany it (a VM may also serve
 //!    mTLS); any other purpose, `anyExtendedKeyUsage` included, is refused.
 //!
-//! The chain to the platform's CA is not checked here: the guest holds no trust anchor in
-//! the bootstrap format, and the parties that rely on the certificate (mTLS peers) check
-//! the chain and, per seed 000, re-check the identity's currency on every handshake.
+//! **The guest clock.** A micro-VM has no time sync; its clock comes from the RTC the VMM
+//! gives it and may be off at boot. The CA's clock is the authority on validity. The guest
+//! still checks the window, because a stored certificate is re-checked at every boot
+//! (an expired one is fetched again with the stored CSR), but it tolerates a guest clock
+//! up to [`CLOCK_SKEW`] (15 minutes) *behind* the CA: `notBefore` may be that far ahead of
+//! the guest's now. A guest clock *ahead* of the CA needs no tolerance as long as it is
+//! within the certificate's lifetime (the reference service issues for 24 hours and
+//! backdates `notBefore` by 60 s). `notAfter` is strict: a certificate that is expired by
+//! the guest clock is refused, never stretched. A guest clock more than 15 minutes behind
+//! fails enrollment with an error that says so and names both times; the fix is the VM's
+//! clock (the RTC the VMM sets), not a larger tolerance. The tolerance is bounded because
+//! the check is what keeps a long-expired certificate (for a key still on disk) from
+//! being taken as current by a VM whose clock was set back.
+//!
+//! Relying parties check the chain and the identity's currency themselves on every
+//! handshake (seed 000); these checks keep the VM from storing and publishing anything
+//! they would refuse.
 //!
 //! Threat: storing and publishing a certificate that does not belong to this key, this
-//! identity or this time (a confused or malicious relay/service answer).
+//! identity, this time or this platform's CA (a confused or malicious relay/service
+//! answer, or a second CA answering on the enrollment port).
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use x509_parser::oid_registry::{OID_EC_P256, OID_KEY_TYPE_EC_PUBLIC_KEY};
 use x509_parser::prelude::*;
 
+use super::ca::ManagementCa;
 use super::identity::Identity;
 
-/// How far in the future `notBefore` may be.
-pub const CLOCK_SKEW: Duration = Duration::from_secs(300);
+/// How far ahead of the guest clock `notBefore` may be (a guest clock behind the CA's).
+pub const CLOCK_SKEW: Duration = Duration::from_secs(15 * 60);
 
-/// Verifies `der` for `public_sec1` and `id` at `now`; `Err` says which check failed.
+/// Verifies `der` for `public_sec1` and `id`, issued by `ca`, at `now`; `Err` says which
+/// check failed.
 pub fn verify(
     der: &[u8],
+    ca: &ManagementCa,
     public_sec1: &[u8],
     id: &Identity,
     now: SystemTime,
@@ -49,6 +69,7 @@ pub fn verify(
     if !rest.is_empty() {
         return Err(format!("{} bytes follow the certificate", rest.len()));
     }
+    ca.check_issued(&cert)?;
     let mut seen = Vec::new();
     for ext in cert.extensions() {
         if seen.contains(&&ext.oid) {
@@ -60,18 +81,7 @@ pub fn verify(
         seen.push(&ext.oid);
     }
     let spki = cert.public_key();
-    let curve = spki
-        .algorithm
-        .parameters
-        .as_ref()
-        .and_then(|p| p.as_oid().ok());
-    if spki.algorithm.algorithm != OID_KEY_TYPE_EC_PUBLIC_KEY || curve != Some(OID_EC_P256) {
-        return Err(format!(
-            "the key algorithm is {} (curve {}), not EC P-256",
-            spki.algorithm.algorithm.to_id_string(),
-            curve.map_or_else(|| "none".into(), |c| c.to_id_string())
-        ));
-    }
+    super::ca::require_p256(spki)?;
     if &*spki.subject_public_key.data != public_sec1 {
         return Err("the certificate is for another public key, not ours".into());
     }
@@ -80,14 +90,27 @@ pub fn verify(
         .map(|d| d.as_secs() as i64)
         .unwrap_or(0);
     let v = cert.validity();
-    if v.not_before.timestamp() > now_s + CLOCK_SKEW.as_secs() as i64 {
+    let guest_now =
+        ASN1Time::from_timestamp(now_s).map_or_else(|_| now_s.to_string(), |t| t.to_string());
+    let ahead = v.not_before.timestamp() - now_s;
+    if ahead > CLOCK_SKEW.as_secs() as i64 {
         return Err(format!(
-            "not valid yet (notBefore {}); check the guest clock",
-            v.not_before
+            "not valid yet by the guest clock: notBefore {} is {ahead} s ahead of the guest's now ({guest_now}), more than the {} s tolerated; the guest clock is behind the CA's, set the VM's clock (RTC)",
+            v.not_before,
+            CLOCK_SKEW.as_secs()
         ));
     }
+    if ahead > 0 {
+        crate::warn!(
+            "enroll: the certificate's notBefore is {ahead} s ahead of the guest clock (tolerated up to {} s): the guest clock is behind the CA's",
+            CLOCK_SKEW.as_secs()
+        );
+    }
     if v.not_after.timestamp() <= now_s {
-        return Err(format!("expired (notAfter {})", v.not_after));
+        return Err(format!(
+            "expired by the guest clock (notAfter {}, guest now {guest_now})",
+            v.not_after
+        ));
     }
     let mut names = Vec::new();
     let san = cert
@@ -163,7 +186,18 @@ pub fn to_pem(der: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::enroll::ca::tests::TestCa;
     use crate::enroll::keystore::{MachineKey, P256Key, RcgenSigner};
+
+    /// The management CA of these tests.
+    fn ca() -> &'static TestCa {
+        static CA: std::sync::OnceLock<TestCa> = std::sync::OnceLock::new();
+        CA.get_or_init(|| TestCa::new("management CA"))
+    }
+
+    fn pin() -> &'static ManagementCa {
+        &ca().pin
+    }
 
     fn id(epoch: u64) -> Identity {
         Identity {
@@ -200,14 +234,13 @@ mod tests {
         p
     }
 
-    /// A certificate for `key` (self-signed through the external signer: the guest checks
-    /// key, validity, identity and profile, not the issuer).
-    fn cert(key: &P256Key, uris: &[String], from: i64, to: i64, ca: bool) -> Vec<u8> {
+    /// A certificate for `key`, issued by the test management CA.
+    fn cert(key: &P256Key, uris: &[String], from: i64, to: i64, is_ca: bool) -> Vec<u8> {
         let mut p = params(uris, from, to);
-        if ca {
+        if is_ca {
             p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
         }
-        p.self_signed(&RcgenSigner(key)).unwrap().der().to_vec()
+        ca().issue(p, key)
     }
 
     /// A profile-conforming certificate for `key` and identity `me`, changed by `edit`.
@@ -218,11 +251,52 @@ mod tests {
     ) -> Vec<u8> {
         let mut p = params(&[me.uri()], -60, 3600);
         edit(&mut p);
-        p.self_signed(&RcgenSigner(key)).unwrap().der().to_vec()
+        ca().issue(p, key)
     }
 
     fn refused(der: &[u8], key: &P256Key, me: &Identity) -> String {
-        verify(der, key.public_sec1(), me, SystemTime::now()).unwrap_err()
+        verify(der, pin(), key.public_sec1(), me, SystemTime::now()).unwrap_err()
+    }
+
+    #[test]
+    fn a_certificate_from_another_ca_is_refused_naming_its_issuer() {
+        let key = P256Key::generate("test").unwrap();
+        let me = id(1);
+        let rogue = TestCa::new("rogue CA");
+        let der = rogue.issue(params(&[me.uri()], -60, 3600), &key);
+        let e = refused(&der, &key, &me);
+        assert!(
+            e.contains("not issued by the pinned management CA") && e.contains("CN=rogue CA"),
+            "{e}"
+        );
+        // A self-signed certificate for our own key and identity: the check that was
+        // missing before the pin.
+        let own = params(&[me.uri()], -60, 3600)
+            .self_signed(&RcgenSigner(&key))
+            .unwrap();
+        let e = refused(own.der(), &key, &me);
+        assert!(e.contains("not issued by the pinned management CA"), "{e}");
+    }
+
+    #[test]
+    fn the_guest_clock_may_be_up_to_fifteen_minutes_behind_never_past_not_after() {
+        let key = P256Key::generate("test").unwrap();
+        let me = id(1);
+        let der = cert(&key, &[me.uri()], -60, 3600, false);
+        let now = SystemTime::now();
+        let check = |at: SystemTime| verify(&der, pin(), key.public_sec1(), &me, at);
+        // notBefore is 60 s before the CA's now. The guest clock 10 and 15 minutes behind
+        // that: accepted.
+        check(now - Duration::from_secs(60 + 600)).unwrap();
+        check(now - Duration::from_secs(60 + 15 * 60)).unwrap();
+        // A few seconds more (whole seconds in the certificate; the margin covers the
+        // test crossing a second): refused, saying it is the clock.
+        let e = check(now - Duration::from_secs(60 + 15 * 60 + 5)).unwrap_err();
+        assert!(e.contains("guest clock is behind"), "{e}");
+        // Ahead by 10 minutes: accepted; past notAfter by a second: refused.
+        check(now + Duration::from_secs(600)).unwrap();
+        let e = check(now + Duration::from_secs(3601)).unwrap_err();
+        assert!(e.contains("expired by the guest clock"), "{e}");
     }
 
     #[test]
@@ -281,7 +355,7 @@ mod tests {
         let ok = cert_with(&key, &me, |p| {
             p.extended_key_usages = vec![P::ClientAuth, P::ServerAuth]
         });
-        verify(&ok, key.public_sec1(), &me, SystemTime::now()).unwrap();
+        verify(&ok, pin(), key.public_sec1(), &me, SystemTime::now()).unwrap();
         for (ekus, want) in [
             (vec![], "no extendedKeyUsage"),
             (vec![P::ServerAuth], "lacks clientAuth"),
@@ -313,7 +387,7 @@ mod tests {
     fn the_key_must_be_ec_p256() {
         let key = P256Key::generate("test").unwrap();
         let me = id(1);
-        let issuer = rcgen::Issuer::new(params(&[], -60, 3600), RcgenSigner(&key));
+        let issuer = rcgen::Issuer::new(ca().params.clone(), RcgenSigner(&ca().key));
         for (alg, want) in [
             (&rcgen::PKCS_ECDSA_P384_SHA384, "curve 1.3.132.0.34"),
             (&rcgen::PKCS_ED25519, "key algorithm is 1.3.101.112"),
@@ -335,7 +409,7 @@ mod tests {
             .unwrap()
             .der()
             .to_vec();
-        verify(&der, key.public_sec1(), &me, SystemTime::now()).unwrap();
+        verify(&der, pin(), key.public_sec1(), &me, SystemTime::now()).unwrap();
     }
 
     #[test]
@@ -360,7 +434,7 @@ mod tests {
         let me = id(7);
         let now = SystemTime::now();
         let good = cert(&key, &[me.uri()], -60, 3600, false);
-        verify(&good, key.public_sec1(), &me, now).unwrap();
+        verify(&good, pin(), key.public_sec1(), &me, now).unwrap();
 
         let cases: Vec<(Vec<u8>, &[u8], Identity, &str)> = vec![
             (
@@ -414,7 +488,7 @@ mod tests {
             ),
         ];
         for (der, public, ident, want) in cases {
-            let e = verify(&der, public, &ident, now).unwrap_err();
+            let e = verify(&der, pin(), public, &ident, now).unwrap_err();
             assert!(e.contains(want), "{want}: {e}");
         }
     }

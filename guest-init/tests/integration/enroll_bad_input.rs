@@ -21,6 +21,7 @@ fn good() -> serde_json::Value {
         "token": TOKEN,
         "expires_at": 4000000000u64,
         "enrollment_port": 5002,
+        "management_ca": crate::support::management_ca_b64(),
     })
 }
 
@@ -125,6 +126,24 @@ fn bad_values_name_the_field_and_never_echo_the_token() {
     let mut v = good();
     v["revocation_epoch"] = (-1).into();
     assert_refused(v.to_string().as_bytes(), 0o600, &["bootstrap material"]);
+}
+
+#[test]
+fn material_without_a_usable_management_ca_is_refused_naming_the_field() {
+    let mut v = good();
+    v.as_object_mut().unwrap().remove("management_ca");
+    assert_refused(
+        v.to_string().as_bytes(),
+        0o600,
+        &["missing field `management_ca`"],
+    );
+    let mut v = good();
+    v["management_ca"] = "bm90IGEgY2VydGlmaWNhdGU=".into();
+    assert_refused(
+        v.to_string().as_bytes(),
+        0o600,
+        &["management_ca: the pinned CA certificate is not a DER X.509 certificate"],
+    );
 }
 
 #[test]

@@ -19,6 +19,7 @@ fn doc() -> String {
         "version": 1, "workspace_namespace": "team-a", "workspace_name": "ws1",
         "workspace_uid": "u-1", "vm_uid": "vm-1", "revocation_epoch": 9,
         "token": TOKEN, "expires_at": 4000000000u64, "enrollment_port": 5002,
+        "management_ca": crate::support::management_ca_b64(),
     })
     .to_string()
 }

@@ -3,7 +3,8 @@
 //! Asserts, beyond "no panic":
 //! - accepted material is version 1, its token 32 to 256 characters of `A-Za-z0-9-_`, its
 //!   enrollment port neither 0 nor 4294967295, its identity well-formed;
-//! - accepted material re-parses: every field the input gave is what came out;
+//! - accepted material re-parses: every field the input gave is what came out, the pinned
+//!   management CA included (its DER is exactly the input's base64);
 //! - **an error never quotes the token**: when the input names a token-like string of 32+
 //!   characters, the error message does not contain it (nor does `Debug` of accepted
 //!   material).
@@ -58,6 +59,14 @@ fuzz_target!(|data: &[u8]| {
             assert_eq!(v["token"].as_str(), Some(t));
             assert_eq!(v["revocation_epoch"].as_u64(), Some(m.revocation_epoch));
             assert_eq!(v["vm_uid"].as_str(), Some(m.vm_uid.as_str()));
+            use base64::Engine;
+            let ca = v["management_ca"]
+                .as_str()
+                .expect("management_ca is required");
+            let der = base64::engine::general_purpose::STANDARD
+                .decode(ca.trim())
+                .expect("accepted management_ca is base64");
+            assert_eq!(der, m.management_ca.der());
         }
         Err(e) => {
             let msg = e.to_string();

@@ -180,6 +180,13 @@ impl EnrollService {
         &self.inner.ca_der
     }
 
+    /// The CA certificate as the bootstrap material's `management_ca` pins it: standard
+    /// base64 of its DER.
+    pub fn management_ca_b64(&self) -> String {
+        use base64::Engine;
+        base64::engine::general_purpose::STANDARD.encode(&self.inner.ca_der)
+    }
+
     /// The service's current time (real time plus [`EnrollService::advance_clock`]).
     pub fn now(&self) -> u64 {
         self.inner.now()

@@ -29,6 +29,8 @@ use x509_parser::prelude::*;
 /// The reference service's seed-002 denials (current identity, expired issued
 /// certificate, capacity) as the guest sees them.
 mod denials;
+/// The pinned management CA (a second CA on the enrollment port) and the guest clock.
+mod pinned_ca;
 
 const VM: &str = "vm-1";
 
@@ -215,19 +217,9 @@ impl Env {
     /// `/bin/true`) to the end: one boot. Returns its exit code and output.
     fn run_supervisor(&mut self) -> (i32, String) {
         let cfg = self.supervisor_config(serde_json::json!({"file": self.path("bootstrap.json")}));
-        let out = Command::new(host_bin("guest-init"))
-            .arg("--config")
-            .arg(cfg)
-            .output()
-            .expect("run guest-init");
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        self.output.push(text.clone());
-        self.collect_keys();
-        (out.status.code().unwrap_or(-1), text)
+        let mut c = Command::new(host_bin("guest-init"));
+        c.arg("--config").arg(cfg);
+        self.run(c)
     }
 
     /// Writes a push configuration for `guest-init enroll` (listening on `push.sock`).
@@ -243,6 +235,7 @@ impl Env {
                     "state_dir": self.state(),
                     "publish_dir": self.publish(),
                     "service": {"unix": self.guest_sock},
+                    "management_ca": self.svc.management_ca_b64(),
                     "timeout_ms": 60000,
                     "retry": {"initial_ms": 10, "max_ms": 50, "max_attempts": 5},
                 }
@@ -266,6 +259,7 @@ impl Env {
             "token": token,
             "expires_at": expires,
             "enrollment_port": 5002,
+            "management_ca": self.svc.management_ca_b64(),
         })
         .to_string()
     }
@@ -278,7 +272,18 @@ impl Env {
 
     /// Runs `guest-init enroll` to the end; returns its exit code and output.
     fn run_guest(&mut self) -> (i32, String) {
-        let out = self.guest().output().expect("run guest-init");
+        self.run(self.guest())
+    }
+
+    /// Runs `cmd` (a guest-init) to the end and records its output; returns its exit code
+    /// and output.
+    fn run(&mut self, mut cmd: Command) -> (i32, String) {
+        let out = cmd.output().expect("run guest-init");
+        self.record(out)
+    }
+
+    /// Records a finished guest's output (for the secrets scan) and its key files.
+    fn record(&mut self, out: std::process::Output) -> (i32, String) {
         let text = format!(
             "{}{}",
             String::from_utf8_lossy(&out.stdout),
@@ -299,14 +304,7 @@ impl Env {
 
     fn finish(&mut self, child: Child) -> (i32, String) {
         let out = child.wait_with_output().unwrap();
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        self.output.push(text.clone());
-        self.collect_keys();
-        (out.status.code().unwrap_or(-1), text)
+        self.record(out)
     }
 
     fn files_with(&self, ext: &str) -> Vec<String> {
@@ -414,9 +412,28 @@ fn write_bootstrap(path: &Path, bytes: &[u8]) {
 }
 
 /// Pushes `doc` to the guest's push socket as root and returns the guest's answer.
+///
+/// Between two pushes the guest closes its listener, removes the stale socket file and
+/// opens a new one: a connect in that window is refused or finds no file, so it is retried
+/// (bounded).
 fn push(sock: &Path, doc: &str) -> String {
     use std::io::Read;
-    let mut s = std::os::unix::net::UnixStream::connect(sock).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut s = loop {
+        match std::os::unix::net::UnixStream::connect(sock) {
+            Ok(s) => break s,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound
+                ) =>
+            {
+                assert!(Instant::now() < deadline, "the guest never listened again");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => panic!("connect {}: {e}", sock.display()),
+        }
+    };
     s.write_all(doc.as_bytes()).unwrap();
     s.shutdown(std::net::Shutdown::Write).unwrap();
     let mut answer = String::new();

@@ -64,6 +64,7 @@ fn vm_enrolls_through_vsock_and_host_relay_before_the_app_starts() {
             "token": token,
             "expires_at": expires,
             "enrollment_port": ENROLL_PORT,
+            "management_ca": svc.management_ca_b64(),
         });
 
         let config = json!({

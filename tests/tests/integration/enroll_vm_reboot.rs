@@ -396,6 +396,7 @@ fn a_reboot_mid_enrollment_resumes_from_the_virtio_blk_disk_with_the_identical_c
             "token": TOKEN,
             "expires_at": expires,
             "enrollment_port": ENROLL_PORT,
+            "management_ca": svc.management_ca_b64(),
         });
 
         // The root disk: the app and the bootstrap material; the guest adds its state.

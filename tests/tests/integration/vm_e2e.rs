@@ -394,14 +394,21 @@ fn vm_host_reaches_guest_service() {
         let mut vm = Vm::start(spec).expect("boot");
         vm.wait_for_console("guest-probe: serve-echo listening", GUEST_ACTION_TIMEOUT)
             .expect("echo server up");
-        // Pseudo-random payload (xorshift), different on every connection.
+        // Pseudo-random payload (xorshift), different on every connection. The last round
+        // moves 1 MiB in 64 KiB writes: the guest's echo then hands guest-init chunks far
+        // over 32 KiB to send on vsock, which the 6.12 kernel would put in packets split
+        // over several descriptors that vhost-device-vsock drops (the connection stalls)
+        // if guest-init did not cap each vsock `send` (`vm_transport::conn`).
         let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
-        for round in 0..3 {
+        for (round, (len, write_size)) in
+            [(1, 4096), (50_001, 4096), (100_001, 4096), (1 << 20, 65536)]
+                .into_iter()
+                .enumerate()
+        {
             let mut s = vm
                 .connect(ECHO_EXPORT_PORT, Duration::from_secs(60))
                 .expect("CONNECT to the guest's echo export");
             s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-            let len = 1 + round * 50_000;
             let payload: Vec<u8> = (0..len)
                 .map(|_| {
                     x ^= x << 13;
@@ -415,7 +422,7 @@ fn vm_host_reaches_guest_service() {
             let sent = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
             let sent_w = sent.clone();
             let t = std::thread::spawn(move || {
-                for chunk in to_send.chunks(4096) {
+                for chunk in to_send.chunks(write_size) {
                     writer.write_all(chunk)?;
                     sent_w.fetch_add(chunk.len(), std::sync::atomic::Ordering::SeqCst);
                 }

@@ -8,6 +8,7 @@
 //! | `<slot>.key` | the private key (file store only; PKCS#8 DER, `0600`) |
 //! | `<slot>.csr` | the exact CSR DER sent for that key |
 //! | `<slot>.crt` | the certificate DER issued for that key |
+//! | `<slot>.ca` | the pinned management CA (DER) that certificate was verified against |
 //! | `pending.json` | `{identity, slot, token_sha256}`: a CSR is out, no certificate yet (unconfirmed) |
 //! | `enrolled.json` | `{identity, slot}`: the certificate in force |
 //! | `floor.json` | `{epoch}`: the highest epoch the service confirmed; only rises, never removed |
@@ -20,7 +21,7 @@
 //!    epochs. Only a confirmed epoch (a certificate received and verified) is a floor; a
 //!    pending record never is, because whoever can push material can make one.
 //! 2. **Already done.** If the enrolled identity equals the material's and its certificate
-//!    verifies, republish it and stop. If it fails verification (or is missing), re-send
+//!    verifies (against the material's CA), republish it and stop. If it fails verification (or is missing), re-send
 //!    the *stored* CSR with the *stored* key; never a new key. Any other failure (key store,
 //!    publish directory, I/O) fails the run and changes nothing.
 //! 3. **Pending.** If a pending CSR exists for the same identity, re-send *its* bytes with
@@ -37,12 +38,18 @@
 //!    same token). With pushed material ([`Enroller::discard_refused`]) a final refusal
 //!    or a bad certificate discards the key and CSR this run made (a resumed pending
 //!    record is put back as it was), so the guest can wait for the next push.
-//! 6. **Verify** the certificate (key, validity, identity, profile), raise `floor.json`
-//!    (durable before anything depends on it), write `<slot>.crt`, then `enrolled.json`
+//! 6. **Verify** the certificate (issuer = the material's pinned CA, key, validity,
+//!    identity, profile), raise `floor.json` (durable before anything depends on it), write
+//!    `<slot>.crt` and `<slot>.ca`, then `enrolled.json`
 //!    (the commit point), publish `cert.pem`, remove `pending.json`, and only then remove
 //!    the previous identity's key, CSR and certificate.
 //! 7. **Collect** any slot file no record refers to (left by a crash between steps); if a
 //!    record, the store or the directory cannot be read, nothing is removed.
+//!
+//! A run without material (a reboot with the bootstrap file gone) re-verifies the enrolled
+//! certificate against the CA recorded in `<slot>.ca`, which was itself written only after
+//! it verified that certificate under the material's pin; a state without it (written by an
+//! older guest-init) is refused until material is provisioned again.
 //!
 //! Every write is atomic and durable ([`super::files`]); a crash at any point leaves a
 //! state from which the next run continues without a second CSR for the same token.
@@ -228,12 +235,19 @@ impl Enroller<'_> {
         if let Some(e) = enrolled.as_ref().filter(|e| e.identity == id) {
             let key = self.store.open(&e.slot)?.ok_or(EnrollError::KeyLost)?;
             let check = match self.read_slot_file(&e.slot, "crt")? {
-                Some(c) => verify::verify(&c, key.public_sec1(), &e.identity, SystemTime::now())
-                    .map(|()| c),
+                Some(c) => verify::verify(
+                    &c,
+                    &material.management_ca,
+                    key.public_sec1(),
+                    &e.identity,
+                    SystemTime::now(),
+                )
+                .map(|()| c),
                 None => Err("the enrolled certificate file is missing".to_owned()),
             };
             match check {
                 Ok(cert) => {
+                    self.record_ca(&e.slot, &material.management_ca)?;
                     self.publish(&cert)?;
                     if pending.is_some() {
                         files::remove_durable(&self.state_dir, PENDING)
@@ -334,10 +348,17 @@ impl Enroller<'_> {
                     }
                 })
                 .and_then(|cert| {
-                    verify::verify(&cert, key.public_sec1(), &id, SystemTime::now())
-                        .map(|()| cert)
-                        .map_err(EnrollError::BadCertificate)
+                    verify::verify(
+                        &cert,
+                        &material.management_ca,
+                        key.public_sec1(),
+                        &id,
+                        SystemTime::now(),
+                    )
+                    .map(|()| cert)
+                    .map_err(EnrollError::BadCertificate)
                 });
+        let ca = material.management_ca.clone();
         drop(material);
         let cert = match exchanged {
             Ok(cert) => cert,
@@ -363,6 +384,7 @@ impl Enroller<'_> {
         self.raise_floor(floor, id.epoch)?;
         files::write_atomic(&self.state_dir, &format!("{slot}.crt"), &cert, 0o600)
             .map_err(state_err(format!("write {slot}.crt")))?;
+        self.record_ca(&slot, &ca)?;
         self.write_record(
             ENROLLED,
             &EnrolledRecord {
@@ -460,8 +482,15 @@ impl Enroller<'_> {
             EnrollError::BadCertificate("the enrolled certificate file is missing".into())
         })?;
         let key = self.store.open(&e.slot)?.ok_or(EnrollError::KeyLost)?;
-        verify::verify(&cert, key.public_sec1(), &e.identity, SystemTime::now())
-            .map_err(EnrollError::BadCertificate)?;
+        let ca = self.recorded_ca(&e.slot)?;
+        verify::verify(
+            &cert,
+            &ca,
+            key.public_sec1(),
+            &e.identity,
+            SystemTime::now(),
+        )
+        .map_err(EnrollError::BadCertificate)?;
         self.publish(&cert)?;
         crate::info!("enroll: already enrolled as {}", e.identity.uri());
         Ok(Outcome::AlreadyEnrolled {

@@ -15,6 +15,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::*;
+use crate::enroll::ca::ManagementCa;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -84,11 +85,33 @@ impl Enroller<'_> {
 
     pub(super) fn remove_slot(&self, slot: &str) -> Result<(), EnrollError> {
         self.store.remove(slot)?;
-        for ext in ["csr", "crt"] {
+        for ext in ["csr", "crt", "ca"] {
             files::remove_durable(&self.state_dir, &format!("{slot}.{ext}"))
                 .map_err(state_err(format!("remove {slot}.{ext}")))?;
         }
         Ok(())
+    }
+
+    /// Records `ca` as the CA `slot`'s certificate was verified against (`<slot>.ca`),
+    /// unless it is recorded already.
+    pub(super) fn record_ca(&self, slot: &str, ca: &ManagementCa) -> Result<(), EnrollError> {
+        if self.read_slot_file(slot, "ca")?.as_deref() == Some(ca.der()) {
+            return Ok(());
+        }
+        files::write_atomic(&self.state_dir, &format!("{slot}.ca"), ca.der(), 0o600)
+            .map_err(state_err(format!("write {slot}.ca")))
+    }
+
+    /// The CA recorded for `slot`, for a run without material.
+    pub(super) fn recorded_ca(&self, slot: &str) -> Result<ManagementCa, EnrollError> {
+        let der = self.read_slot_file(slot, "ca")?.ok_or_else(|| {
+            EnrollError::BadCertificate(format!(
+                "no management CA is recorded for the enrolled certificate ({slot}.ca is missing: state from an older guest-init); provision bootstrap material with management_ca"
+            ))
+        })?;
+        ManagementCa::from_der(&der).map_err(|e| {
+            EnrollError::BadCertificate(format!("the recorded management CA {slot}.ca is {e}"))
+        })
     }
 
     /// The confirmed epoch floor (`floor.json`), `None` before the first certificate.
@@ -159,7 +182,9 @@ impl Enroller<'_> {
                     let name = e.file_name();
                     let name = name.to_string_lossy();
                     if let Some((slot, _)) = name.split_once('.') {
-                        if is_slot(slot) && (name.ends_with(".csr") || name.ends_with(".crt")) {
+                        if is_slot(slot)
+                            && [".csr", ".crt", ".ca"].iter().any(|x| name.ends_with(x))
+                        {
                             slots.push(slot.to_owned());
                         }
                     }

@@ -256,3 +256,19 @@ pub fn assert_powered_off(st: ExitStatus, console: &str) {
         "a Rust panic message or abort reached the console:\n{console}"
     );
 }
+
+/// A management CA certificate (EC P-256, self-signed through guest-init's own signer),
+/// standard base64 of its DER: what bootstrap material pins in `management_ca`.
+pub fn management_ca_b64() -> String {
+    use base64::Engine;
+    use guest_init::enroll::keystore::{P256Key, RcgenSigner};
+    let key = P256Key::generate("test").expect("generate a CA key");
+    let mut p = rcgen::CertificateParams::default();
+    p.distinguished_name
+        .push(rcgen::DnType::CommonName, "test management CA");
+    p.serial_number = Some(vec![1].into());
+    p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Constrained(0));
+    p.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign];
+    let cert = p.self_signed(&RcgenSigner(&key)).expect("self-sign the CA");
+    base64::engine::general_purpose::STANDARD.encode(cert.der())
+}

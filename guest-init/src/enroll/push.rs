@@ -1,0 +1,173 @@
+//! The one-time bootstrap push: the host hands the guest its material over a socket.
+//!
+//! The guest listens (vsock in a VM, a Unix socket in tests); the host connects, writes
+//! the JSON document and shuts down its write side; the guest answers `ok\n` or
+//! `error <reason>\n`. The document is parsed by [`Material::parse`] like a file's.
+//!
+//! Threat: a peer other than the host pushing (vsock CID check, root check on Unix), a
+//! refused pusher never seeing its answer (the rest of its input is drained, bounded), a
+//! flood holding the listener (bounded reads, answered on their own tasks), a token in a
+//! refused push lingering in memory (wiped buffers), and the listener deleting whatever
+//! file sits at its path (only a stale socket is replaced).
+
+use std::io;
+use std::path::Path;
+use std::time::Duration;
+
+use zeroize::Zeroizing;
+
+use super::material::{Material, MaterialError, MAX_MATERIAL_BYTES};
+use vm_transport::{Conn, Endpoint, Peer};
+
+/// Waits for the host to push bootstrap material once, on `listen`.
+///
+/// Only the host may push: on vsock the peer's CID must be 2 (the kernel sets it, the peer
+/// cannot), on a Unix socket the peer must be root. The host writes the JSON and shuts
+/// down its write side; the guest answers `ok\n` or `error <reason>\n` (a reason without
+/// input values). A bad push is answered and the guest keeps listening, so one mistaken
+/// connection cannot make the VM give up; the first good one ends the wait. The material
+/// is kept in memory only: a restarted guest needs a new push.
+///
+/// CID 2 is *any* process on the host (under vhost-vsock, unprivileged users included),
+/// so a pushed document is not trusted to be the platform's: the caller sends it only to
+/// the configured service, and goes back to waiting if the service refuses it
+/// (see [`super::run`]).
+///
+/// A Unix `listen` path may hold only a stale socket (one nobody listens on), which is
+/// replaced; a regular file, a directory, a symlink or a live socket there is refused,
+/// never removed.
+pub async fn receive_push(listen: &Endpoint, read_timeout: Duration) -> io::Result<Material> {
+    if let Some(p) = listen.unix_path() {
+        remove_stale_socket(p)?;
+    }
+    let listener = listen.listen_with_backlog(4)?;
+    let result = loop {
+        let (conn, peer) = match listener.accept().await {
+            Ok(c) => c,
+            Err(e) => {
+                crate::warn!("enroll: bootstrap push accept on {listen} failed: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        if let Err(why) = admit_pusher(&conn, &peer) {
+            crate::warn!("enroll: refused bootstrap push from {peer}: {why}");
+            // Answered on its own task: a stream of refused peers must not delay the host.
+            tokio::spawn(answer_error(conn, why));
+            continue;
+        }
+        let origin = format!("pushed by {peer} on {listen}");
+        let parsed = match tokio::time::timeout(read_timeout, read_to_end_bounded(&conn)).await {
+            Err(_) => Err(format!("{origin}: not received within {read_timeout:?}")),
+            Ok(Err(e)) => Err(format!("{origin}: {e}")),
+            Ok(Ok(None)) => Err(MaterialError::Oversized { origin }.to_string()),
+            Ok(Ok(Some(bytes))) => Material::parse(&bytes, &origin).map_err(|e| e.to_string()),
+        };
+        match parsed {
+            Ok(m) => {
+                let _ = conn.write_all(b"ok\n").await;
+                break m;
+            }
+            Err(why) => {
+                crate::warn!("enroll: {why}");
+                answer_error(conn, why).await;
+            }
+        }
+    };
+    drop(listener);
+    if let Some(p) = listen.unix_path() {
+        let _ = std::fs::remove_file(p);
+    }
+    Ok(result)
+}
+
+/// Makes room for the push socket at `path`: nothing there is fine; a socket nobody
+/// listens on (left by an earlier run) is removed; anything else — a regular file, a
+/// directory, a symlink, a socket something still listens on — is refused, never removed.
+fn remove_stale_socket(path: &Path) -> io::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    let md = match std::fs::symlink_metadata(path) {
+        Ok(md) => md,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    if !md.file_type().is_socket() {
+        return Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            format!(
+                "bootstrap.push.listen: {} exists and is not a socket; remove it or choose another path",
+                path.display()
+            ),
+        ));
+    }
+    match std::os::unix::net::UnixStream::connect(path) {
+        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => std::fs::remove_file(path),
+        Ok(_) => Err(io::Error::new(
+            io::ErrorKind::AddrInUse,
+            format!(
+                "bootstrap.push.listen: something is listening on {} already; stop it or choose another path",
+                path.display()
+            ),
+        )),
+        Err(e) => Err(io::Error::new(
+            e.kind(),
+            format!(
+                "bootstrap.push.listen: cannot tell whether the socket {} is stale: {e}; remove it if nothing uses it",
+                path.display()
+            ),
+        )),
+    }
+}
+
+fn admit_pusher(conn: &Conn, peer: &Peer) -> Result<(), String> {
+    match peer {
+        Peer::Vsock { cid, .. } if *cid == vm_transport::vsock::VMADDR_CID_HOST => Ok(()),
+        Peer::Vsock { cid, .. } => Err(format!("peer CID {cid} is not the host (2)")),
+        Peer::Unix => match conn.peer_cred() {
+            Ok(c) if c.uid() == 0 => Ok(()),
+            Ok(c) => Err(format!("peer uid {} is not root", c.uid())),
+            Err(e) => Err(format!("cannot read peer credentials: {e}")),
+        },
+        Peer::Tcp(_) => Err("TCP peers cannot push bootstrap material".into()),
+    }
+}
+
+/// Answers `error <why>` and lets the pusher read it.
+///
+/// Closing a Unix socket with unread input resets the connection, and a pusher still
+/// writing its document then sees `EPIPE` or `ECONNRESET` and never reads the answer. So
+/// the write side is shut and the rest of the input is read and discarded (into a buffer
+/// wiped afterwards: a refused peer may have sent a token), bounded in bytes and time so a
+/// flood cannot hold the connection open.
+async fn answer_error(conn: Conn, why: String) {
+    let _ = conn.write_all(format!("error {why}\n").as_bytes()).await;
+    let _ = conn.shutdown_write();
+    let mut sink = Zeroizing::new([0u8; 4096]);
+    let _ = tokio::time::timeout(Duration::from_secs(3), async {
+        for _ in 0..16 {
+            if !matches!(conn.read(&mut sink[..]).await, Ok(n) if n > 0) {
+                break;
+            }
+        }
+    })
+    .await;
+}
+
+/// Reads to end of stream; `None` if more than [`MAX_MATERIAL_BYTES`] arrive.
+async fn read_to_end_bounded(conn: &Conn) -> io::Result<Option<Zeroizing<Vec<u8>>>> {
+    let mut buf = Zeroizing::new(vec![0u8; MAX_MATERIAL_BYTES + 1]);
+    let mut len = 0;
+    loop {
+        if len > MAX_MATERIAL_BYTES {
+            return Ok(None);
+        }
+        let n = conn.read(&mut buf[len..]).await?;
+        if n == 0 {
+            break;
+        }
+        len += n;
+    }
+    let mut out = Zeroizing::new(Vec::with_capacity(len));
+    out.extend_from_slice(&buf[..len]);
+    Ok(Some(out))
+}
