@@ -17,6 +17,7 @@ use tokio::io::AsyncWriteExt;
 use x509_parser::prelude::*;
 
 use super::*;
+use crate::enroll::ca::tests::TestCa;
 use crate::enroll::file_store::FileKeyStore;
 use crate::enroll::keystore::{P256Key, RcgenSigner};
 use crate::enroll::memory_store::MemoryKeyStore;
@@ -43,7 +44,7 @@ struct Service {
 }
 
 impl Service {
-    fn start() -> Service {
+    fn start(ca: Arc<TestCa>) -> Service {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("svc.sock");
         let listener = tokio::net::UnixListener::bind(&path).unwrap();
@@ -51,7 +52,6 @@ impl Service {
         let answer = Arc::new(Mutex::new(Answer::Issue));
         let (c, a) = (Arc::clone(&csrs), Arc::clone(&answer));
         tokio::spawn(async move {
-            let ca = P256Key::generate("test").unwrap();
             loop {
                 let Ok((mut s, _)) = listener.accept().await else {
                     return;
@@ -132,9 +132,9 @@ impl rcgen::PublicKeyData for Spki {
     }
 }
 
-/// A workload certificate for `key` and `uri`, signed by `ca`; with `padding`, a private
+/// A workload certificate for `key` and `uri`, issued by `ca`; with `padding`, a private
 /// non-critical extension of that many bytes makes it larger.
-fn issue(ca: &P256Key, uri: &str, key: Vec<u8>, padding: u16) -> Vec<u8> {
+fn issue(ca: &TestCa, uri: &str, key: Vec<u8>, padding: u16) -> Vec<u8> {
     let mut p = rcgen::CertificateParams::default();
     p.serial_number = Some(vec![7].into());
     p.subject_alt_names = vec![rcgen::SanType::URI(uri.to_owned().try_into().unwrap())];
@@ -155,10 +155,14 @@ fn issue(ca: &P256Key, uri: &str, key: Vec<u8>, padding: u16) -> Vec<u8> {
                 content,
             ));
     }
-    let mut ca_params = rcgen::CertificateParams::default();
-    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    let issuer = rcgen::Issuer::new(ca_params, RcgenSigner(ca));
+    let issuer = rcgen::Issuer::new(ca.params.clone(), RcgenSigner(&ca.key));
     p.signed_by(&Spki(key), &issuer).unwrap().der().to_vec()
+}
+
+/// The management CA every test's service issues from and every material pins.
+fn test_ca() -> Arc<TestCa> {
+    static CA: std::sync::OnceLock<Arc<TestCa>> = std::sync::OnceLock::new();
+    Arc::clone(CA.get_or_init(|| Arc::new(TestCa::new("management CA"))))
 }
 
 fn material(epoch: u64) -> Material {
@@ -166,6 +170,7 @@ fn material(epoch: u64) -> Material {
 }
 
 fn material_with_token(epoch: u64, token: &str) -> Material {
+    let ca = base64::engine::general_purpose::STANDARD.encode(test_ca().pin.der());
     let doc = serde_json::json!({
         "version": 1,
         "workspace_namespace": "ns",
@@ -176,6 +181,7 @@ fn material_with_token(epoch: u64, token: &str) -> Material {
         "token": token,
         "expires_at": 4_000_000_000u64,
         "enrollment_port": 5002,
+        "management_ca": ca,
     });
     Material::parse(doc.to_string().as_bytes(), "test").unwrap()
 }
@@ -194,7 +200,7 @@ impl Env {
             state: dir.path().join("state"),
             publish: dir.path().join("publish"),
             _dir: dir,
-            svc: Service::start(),
+            svc: Service::start(test_ca()),
         }
     }
 
