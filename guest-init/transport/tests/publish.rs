@@ -224,30 +224,45 @@ fn a_symlink_swapped_in_during_publishing_never_redirects_owner_or_mode() {
 /// included, must not inherit a handle on the socket's directory or the listener.
 #[test]
 fn no_descriptor_is_inherited_by_a_program_started_later() {
+    use std::os::fd::AsRawFd;
     let dir = tempfile::tempdir().unwrap();
-    let before: std::collections::BTreeSet<String> = open_fds();
     let p = publish(&dir.path().join("s"), access(0o600), true).unwrap();
-    let new: Vec<String> = open_fds().difference(&before).cloned().collect();
-    assert!(new.len() >= 2, "listener and directory handle: {new:?}");
-    for fd in &new {
-        let Ok(raw) = fd.parse::<i32>() else { continue };
-        // SAFETY: F_GETFD reads the flags of a descriptor number; a number another test
-        // closed meanwhile just fails with EBADF.
-        let flags = unsafe { libc::fcntl(raw, libc::F_GETFD) };
-        if flags >= 0 {
-            assert_ne!(
-                flags & libc::FD_CLOEXEC,
-                0,
-                "descriptor {fd} lacks FD_CLOEXEC"
-            );
-        }
+    // The directory handle: found by what it names (other tests open descriptors too).
+    let canonical = dir.path().canonicalize().unwrap();
+    let handles: Vec<i32> = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| {
+            let e = e.ok()?;
+            let fd: i32 = e.file_name().to_str()?.parse().ok()?;
+            (std::fs::read_link(e.path()).ok()? == canonical).then_some(fd)
+        })
+        .collect();
+    assert!(
+        !handles.is_empty(),
+        "no descriptor names {}",
+        canonical.display()
+    );
+    for fd in handles.into_iter().chain([p.fd.as_raw_fd()]) {
+        // SAFETY: F_GETFD only reads a descriptor's flags.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+        assert!(flags >= 0, "descriptor {fd}");
+        assert_ne!(
+            flags & libc::FD_CLOEXEC,
+            0,
+            "descriptor {fd} lacks FD_CLOEXEC"
+        );
     }
     drop(p);
 }
 
-fn open_fds() -> std::collections::BTreeSet<String> {
-    std::fs::read_dir("/proc/self/fd")
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect()
+/// The directory is held by a handle opened as a directory (`O_DIRECTORY`): a parent that
+/// is a file fails right there, saying so, before anything is inspected or created.
+#[test]
+fn a_parent_that_is_not_a_directory_is_refused_when_opened() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("file");
+    std::fs::write(&file, b"").unwrap();
+    let e = publish(&file.join("s"), access(0o600), false).unwrap_err();
+    assert!(e.to_string().contains("cannot open the directory"), "{e}");
+    assert_eq!(std::fs::read(&file).unwrap(), b"");
 }
