@@ -266,3 +266,34 @@ fn a_parent_that_is_not_a_directory_is_refused_when_opened() {
     assert!(e.to_string().contains("cannot open the directory"), "{e}");
     assert_eq!(std::fs::read(&file).unwrap(), b"");
 }
+
+/// Only a group (the usual way to let one service's users in): the group is set, the
+/// owner stays the publisher.
+#[test]
+fn a_group_alone_is_set() {
+    if !is_root() {
+        eprintln!("skipped: setting another group needs root");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s");
+    let mut a = access(0o660);
+    a.gid = Some(NOBODY);
+    let p = publish(&path, a, false).unwrap();
+    let m = std::fs::symlink_metadata(&path).unwrap();
+    assert_eq!((m.uid(), m.gid()), (0, NOBODY));
+    drop(p);
+}
+
+/// A parent that cannot be made (here: below a regular file) fails where it is made,
+/// naming it.
+#[test]
+fn a_parent_that_cannot_be_made_is_an_error_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("file");
+    std::fs::write(&file, b"").unwrap();
+    let e = publish(&file.join("a/s"), access(0o600), true).unwrap_err();
+    let msg = e.to_string();
+    assert!(msg.contains("cannot create the parent directory"), "{msg}");
+    assert!(msg.contains("file/a"), "{msg}");
+}
