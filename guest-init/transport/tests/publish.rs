@@ -297,3 +297,50 @@ fn a_parent_that_cannot_be_made_is_an_error_naming_it() {
     assert!(msg.contains("cannot create the parent directory"), "{msg}");
     assert!(msg.contains("file/a"), "{msg}");
 }
+
+/// A live service too busy to take another connection (its backlog full) is still live:
+/// the probe never waits for it, and publishing refuses.
+#[test]
+fn a_live_socket_with_a_full_backlog_is_refused_without_waiting() {
+    use std::os::fd::AsRawFd;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s");
+    // A listener with the smallest backlog that never accepts, filled up.
+    let fd = nix::sys::socket::socket(
+        nix::sys::socket::AddressFamily::Unix,
+        nix::sys::socket::SockType::Stream,
+        nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .unwrap();
+    let addr = nix::sys::socket::UnixAddr::new(&path).unwrap();
+    nix::sys::socket::bind(fd.as_raw_fd(), &addr).unwrap();
+    nix::sys::socket::listen(&fd, nix::sys::socket::Backlog::new(0).unwrap()).unwrap();
+    let mut queued = Vec::new();
+    loop {
+        let c = nix::sys::socket::socket(
+            nix::sys::socket::AddressFamily::Unix,
+            nix::sys::socket::SockType::Stream,
+            nix::sys::socket::SockFlag::SOCK_NONBLOCK | nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .unwrap();
+        match nix::sys::socket::connect(c.as_raw_fd(), &addr) {
+            Ok(()) => queued.push(c),
+            Err(nix::errno::Errno::EAGAIN) => break,
+            Err(e) => panic!("filling the backlog: {e}"),
+        }
+        assert!(queued.len() < 64, "the backlog never filled");
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    let p = path.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send(publish(&p, access(0o600), false).map(drop));
+    });
+    let result = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("publishing waited on a busy live socket");
+    let err = result.unwrap_err();
+    assert!(matches!(err, PublishError::Live { .. }), "{err}");
+    drop(queued);
+}
