@@ -319,6 +319,7 @@ fn clear_stale(parent: &OwnedFd, name: &OsStr, path: &Path) -> Result<(), Publis
             path: path.to_path_buf(),
         });
     }
+    neighbour("judged stale", path);
     // Unlink only the inode just inspected: another stale or live socket that replaced it
     // meanwhile would make the final rename refuse instead.
     match stat_at(parent, name) {
@@ -387,6 +388,7 @@ impl PrivateDir {
                 )),
             }
             let path = parent_path.join(&tmp);
+            neighbour("made the private directory", &path);
             let opened = openat(
                 &parent,
                 tmp.as_os_str(),
@@ -442,6 +444,7 @@ impl PrivateDir {
 impl Drop for PrivateDir {
     fn drop(&mut self) {
         let _ = unlinkat(&self.fd, Self::ENTRY, UnlinkatFlags::NoRemoveDir);
+        neighbour("removing the private directory", &self.path);
         // Remove the directory only if its name still names it.
         if let (Ok(mine), Ok(Some(now))) =
             (fstat(self.fd.as_fd()), stat_at(&self.parent, &self.name))
@@ -502,14 +505,18 @@ fn make_parents(dir: &Path) -> Result<(), PublishError> {
         .take_while(|d| std::fs::symlink_metadata(d).is_err())
         .collect();
     for d in missing.into_iter().rev() {
+        neighbour("making a parent", d);
         match std::fs::DirBuilder::new().mode(0o755).create(d) {
             // Exactly 0755 whatever the umask, set through a descriptor opened without
             // following a link, so a swapped-in symlink cannot redirect the chmod.
-            Ok(()) => std::fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
-                .open(d)
-                .and_then(|f| f.set_permissions(std::fs::Permissions::from_mode(0o755))),
+            Ok(()) => {
+                neighbour("made a parent", d);
+                std::fs::OpenOptions::new()
+                    .read(true)
+                    .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+                    .open(d)
+                    .and_then(|f| f.set_permissions(std::fs::Permissions::from_mode(0o755)))
+            }
             // Someone else made it meanwhile: theirs to keep as it is.
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
             Err(e) => Err(e),
@@ -518,6 +525,21 @@ fn make_parents(dir: &Path) -> Result<(), PublishError> {
     }
     Ok(())
 }
+
+/// A point in [`publish`] where a neighbour could swap files under us. In unit tests a
+/// hook stands in for that neighbour, deterministically, at exactly that point (the races
+/// no test could otherwise schedule; `publish/races.rs`). Nothing in a normal build.
+fn neighbour(_point: &'static str, _path: &Path) {
+    #[cfg(test)]
+    races::NEIGHBOUR.with(|h| {
+        if let Some(f) = h.borrow_mut().as_mut() {
+            f(_point, _path);
+        }
+    });
+}
+
+#[cfg(test)]
+mod races;
 
 #[cfg(test)]
 mod tests {
