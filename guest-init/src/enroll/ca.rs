@@ -365,4 +365,44 @@ pub(crate) mod tests {
         let e = ManagementCa::from_der(&[good.der().as_ref(), &[0]].concat()).unwrap_err();
         assert!(e.contains("follow"), "{e}");
     }
+
+    /// A CA certificate of exactly `len` DER bytes (a private extension pads it).
+    fn ca_der_of_len(len: usize) -> Vec<u8> {
+        let key = P256Key::generate("test").unwrap();
+        let mut pad = len.saturating_sub(400);
+        for _ in 0..64 {
+            let mut p = ca_params("management CA");
+            let mut content = vec![0x04, 0x82];
+            content.extend_from_slice(&u16::try_from(pad).unwrap().to_be_bytes());
+            content.resize(4 + pad, 0x5a);
+            p.custom_extensions
+                .push(rcgen::CustomExtension::from_oid_content(
+                    &[1, 3, 6, 1, 4, 1, 99999, 2],
+                    content,
+                ));
+            let der = p.self_signed(&RcgenSigner(&key)).unwrap().der().to_vec();
+            match der.len().cmp(&len) {
+                std::cmp::Ordering::Equal => return der,
+                std::cmp::Ordering::Less => pad += (len - der.len()).max(1),
+                std::cmp::Ordering::Greater => pad -= (der.len() - len).max(1),
+            }
+        }
+        panic!("no CA certificate of exactly {len} bytes");
+    }
+
+    #[test]
+    fn the_pin_may_be_up_to_max_ca_der_bytes() {
+        ManagementCa::from_der(&ca_der_of_len(MAX_CA_DER)).unwrap();
+        let e = ManagementCa::from_der(&ca_der_of_len(MAX_CA_DER + 1)).unwrap_err();
+        assert!(e.contains("larger than 2048 bytes"), "{e}");
+    }
+
+    #[test]
+    fn the_pin_shows_its_subject_and_key_fingerprint_in_debug() {
+        let ca = TestCa::new("management CA");
+        let d = format!("{:?}", ca.pin);
+        assert!(d.contains("CN=management CA"), "{d}");
+        assert!(d.contains(&ca.pin.spki_sha256_hex()), "{d}");
+        assert_eq!(ca.pin.spki_sha256_hex().len(), 64);
+    }
 }
