@@ -402,7 +402,12 @@ pub(crate) mod tests {
         let ca = TestCa::new("management CA");
         let d = format!("{:?}", ca.pin);
         assert!(d.contains("CN=management CA"), "{d}");
-        assert!(d.contains(&ca.pin.spki_sha256_hex()), "{d}");
-        assert_eq!(ca.pin.spki_sha256_hex().len(), 64);
+        // The fingerprint is SHA-256 over the certificate's own SubjectPublicKeyInfo (what
+        // `openssl x509 -pubkey -noout | openssl pkey -pubin -outform der | sha256sum`
+        // prints).
+        let (_, cert) = X509Certificate::from_der(ca.pin.der()).unwrap();
+        let want = hex(&Sha256::digest(cert.public_key().raw));
+        assert_eq!(ca.pin.spki_sha256_hex(), want);
+        assert!(d.contains(&want), "{d}");
     }
 }
