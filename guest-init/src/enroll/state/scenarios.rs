@@ -529,3 +529,33 @@ async fn a_large_certificate_is_stored_and_read_back() {
     );
     assert_eq!(env.svc.csrs().len(), 1);
 }
+
+#[tokio::test]
+async fn a_damaged_certificate_is_fetched_again_with_the_same_key_which_stays() {
+    let env = Env::new();
+    let store = FileKeyStore::open_dir(&env.state).unwrap();
+    let first = env.run(&store, Some(3)).await.unwrap();
+    let s1 = slot(&first).to_owned();
+    std::fs::write(env.state.join(format!("{s1}.crt")), b"damaged").unwrap();
+    let again = env.run(&store, Some(3)).await.unwrap();
+    assert_eq!(
+        again,
+        Outcome::Enrolled {
+            uri: material(3).identity().uri(),
+            slot: s1.clone()
+        }
+    );
+    let csrs = env.svc.csrs();
+    assert_eq!(csrs.len(), 2);
+    assert_eq!(csrs[0], csrs[1], "not the stored CSR");
+    assert_eq!(
+        store.slots().unwrap(),
+        vec![s1.clone()],
+        "the enrolled key went"
+    );
+    let third = env.run(&store, None).await.unwrap();
+    assert!(
+        matches!(third, Outcome::AlreadyEnrolled { .. }),
+        "{third:?}"
+    );
+}
