@@ -366,12 +366,14 @@ pub(crate) mod tests {
         assert!(e.contains("follow"), "{e}");
     }
 
-    /// A CA certificate of exactly `len` DER bytes (a private extension pads it).
+    /// A CA certificate of exactly `len` DER bytes (a private extension pads it). The
+    /// signature's DER length varies by a byte or two with the signed bytes, so each
+    /// padding near the target is tried with a few serial numbers.
     fn ca_der_of_len(len: usize) -> Vec<u8> {
         let key = P256Key::generate("test").unwrap();
-        let mut pad = len.saturating_sub(400);
-        for _ in 0..64 {
+        let make = |pad: usize, serial: u8| {
             let mut p = ca_params("management CA");
+            p.serial_number = Some(vec![0x0c, serial].into());
             let mut content = vec![0x04, 0x82];
             content.extend_from_slice(&u16::try_from(pad).unwrap().to_be_bytes());
             content.resize(4 + pad, 0x5a);
@@ -380,11 +382,16 @@ pub(crate) mod tests {
                     &[1, 3, 6, 1, 4, 1, 99999, 2],
                     content,
                 ));
-            let der = p.self_signed(&RcgenSigner(&key)).unwrap().der().to_vec();
-            match der.len().cmp(&len) {
-                std::cmp::Ordering::Equal => return der,
-                std::cmp::Ordering::Less => pad += (len - der.len()).max(1),
-                std::cmp::Ordering::Greater => pad -= (der.len() - len).max(1),
+            p.self_signed(&RcgenSigner(&key)).unwrap().der().to_vec()
+        };
+        let base = make(1000, 1).len();
+        let pad = 1000 + len - base;
+        for p in pad.saturating_sub(4)..=pad + 4 {
+            for serial in 1..=32 {
+                let der = make(p, serial);
+                if der.len() == len {
+                    return der;
+                }
             }
         }
         panic!("no CA certificate of exactly {len} bytes");
