@@ -12,7 +12,7 @@ say() { printf '[setup] %s\n' "$*"; }
 
 APT_PKGS=(qemu-system-x86 socat dovecot-core cpio gzip e2fsprogs iproute2 kmod file
           util-linux python3-venv debootstrap musl-tools busybox-static xz-utils zstd
-          libfaketime)
+          libfaketime swtpm swtpm-tools)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

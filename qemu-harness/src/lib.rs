@@ -19,6 +19,7 @@ pub mod process;
 pub mod qemu;
 pub mod qmp;
 pub mod stop;
+pub mod swtpm;
 pub mod vm;
 
 use std::path::Path;

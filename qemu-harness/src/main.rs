@@ -88,6 +88,10 @@ struct BootArgs {
     /// Keep the run directory afterwards.
     #[arg(long)]
     keep: bool,
+    /// Give the guest a vTPM 2.0 (swtpm on `tpm-crb`) whose state lives in this directory;
+    /// boot again with the same directory for the same TPM.
+    #[arg(long)]
+    tpm_state: Option<PathBuf>,
 }
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
@@ -143,6 +147,7 @@ fn main() -> Result<()> {
                 append,
                 ready_timeout,
                 keep,
+                tpm_state,
             } = *args;
             let image = match (initrd, init, config) {
                 (Some(p), _, _) => Image::File(p),
@@ -178,6 +183,7 @@ fn main() -> Result<()> {
             spec.cmdline_extra = append;
             spec.ready_timeout = Duration::from_secs(ready_timeout);
             spec.keep_run_dir = keep;
+            spec.tpm_state = tpm_state;
             spec.relay_bin = relay_bin;
             spec.disks = disks.into_iter().map(|d| (d, false)).collect();
             for r in &relays {

@@ -77,6 +77,8 @@ pub struct QemuArgs {
     pub net: Option<UserNet>,
     /// A QMP server socket (`-qmp unix:PATH,server=on,wait=off`) for the harness's buttons.
     pub qmp: Option<PathBuf>,
+    /// swtpm's control socket: a TPM 2.0 on `tpm-crb` (`-tpmdev emulator`).
+    pub tpm: Option<PathBuf>,
 }
 
 impl QemuArgs {
@@ -111,6 +113,12 @@ impl QemuArgs {
         if let Some(qmp) = &self.qmp {
             c.arg("-qmp")
                 .arg(format!("unix:{},server=on,wait=off", qmp.display()));
+        }
+        if let Some(tpm) = &self.tpm {
+            c.arg("-chardev")
+                .arg(format!("socket,id=chrtpm,path={}", tpm.display()))
+                .args(["-tpmdev", "emulator,id=tpm0,chardev=chrtpm"])
+                .args(["-device", "tpm-crb,tpmdev=tpm0"]);
         }
         for (i, (path, ro)) in self.disks.iter().enumerate() {
             c.arg("-drive").arg(format!(
@@ -256,6 +264,7 @@ mod tests {
                 forwards: vec![("127.0.0.1:18080".into(), 5232)],
             }),
             qmp: Some("/r/qmp.sock".into()),
+            tpm: None,
         }
     }
 
@@ -300,6 +309,20 @@ mod tests {
         let v = argv(&a).join(" ");
         assert!(
             v.contains("-nic none") && v.contains("-accel kvm -cpu host"),
+            "{v}"
+        );
+        assert!(!v.contains("-tpmdev"), "no TPM unless asked: {v}");
+    }
+
+    #[test]
+    fn a_vtpm_is_swtpm_on_tpm_crb() {
+        let mut a = args();
+        a.tpm = Some("/r/swtpm.sock".into());
+        let v = argv(&a).join(" ");
+        assert!(
+            v.contains(
+                "-chardev socket,id=chrtpm,path=/r/swtpm.sock -tpmdev emulator,id=tpm0,chardev=chrtpm -device tpm-crb,tpmdev=tpm0"
+            ),
             "{v}"
         );
     }

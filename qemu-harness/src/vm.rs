@@ -25,7 +25,12 @@
 //! button and Ctrl-Alt-Del through QMP) and the waits for QEMU's exit live in
 //! [`crate::stop`]; QEMU always gets a QMP socket ([`VmSpec::qmp_socket`]) for them.
 //!
-//! **Cleanup.** Dropping a [`Vm`] ends QEMU, the relays and the backend (in that order)
+//! **vTPM.** With [`VmSpec::tpm_state`], one `swtpm socket --tpm2` runs per VM on that
+//! state directory, started after the vsock backend and before QEMU (which connects to
+//! its control socket at start), supervised like the backend while QEMU runs; it ends
+//! with QEMU. The guest sees a TPM 2.0 on `tpm-crb` (`/dev/tpm0`, `/dev/tpmrm0`).
+//!
+//! **Cleanup.** Dropping a [`Vm`] ends QEMU, the relays, the backend and swtpm (in that order)
 //! and removes the run directory with its sockets — except when the thread is panicking
 //! (a failing test): then the directory, with the console and every process's log, is
 //! kept and its path printed.
@@ -99,6 +104,12 @@ pub struct VmSpec {
     pub relay_bin: Option<PathBuf>,
     /// vhost-device-vsock; default `<cache>/tools/bin/vhost-device-vsock`.
     pub vhost_bin: Option<PathBuf>,
+    /// A vTPM 2.0 for the guest: swtpm's state directory. The caller owns it: boot again
+    /// with the same directory and the guest sees the same TPM (a reboot); a fresh
+    /// directory is a new TPM (a new VM). `None`: no TPM.
+    pub tpm_state: Option<PathBuf>,
+    /// swtpm (Debian's `swtpm` package); default `swtpm` on `PATH`.
+    pub swtpm_bin: PathBuf,
     /// QEMU.
     pub qemu_bin: PathBuf,
     /// KVM, TCG or detect.
@@ -137,6 +148,8 @@ impl VmSpec {
             relays: Vec::new(),
             relay_bin: None,
             vhost_bin: None,
+            tpm_state: None,
+            swtpm_bin: PathBuf::from("swtpm"),
             qemu_bin: PathBuf::from("qemu-system-x86_64"),
             accel: Accel::Auto,
             net: None,
@@ -187,6 +200,7 @@ pub struct Vm {
     pub(crate) qemu: Option<Child>,
     relays: Vec<Child>,
     vhost: Option<Child>,
+    swtpm: Option<Child>,
     qemu_started: Instant,
     ready: Option<Ready>,
 }
@@ -235,6 +249,7 @@ impl Vm {
             qemu: None,
             relays: Vec::new(),
             vhost: None,
+            swtpm: None,
             qemu_started: Instant::now(),
             ready: None,
             spec,
@@ -329,6 +344,12 @@ impl Vm {
         );
         vm.phase("vsock backend", &detail, t);
 
+        // vTPM.
+        let tpm_socket = match vm.spec.tpm_state.clone() {
+            Some(state) => Some(vm.start_swtpm(&state)?),
+            None => None,
+        };
+
         // Relays.
         let t = Instant::now();
         let relays = vm.spec.relays.clone();
@@ -383,6 +404,7 @@ impl Vm {
             disks: vm.spec.disks.clone(),
             net: vm.spec.net.clone(),
             qmp: Some(vm.spec.qmp_socket()),
+            tpm: tpm_socket,
         };
         let log = vm.spec.run_dir.join("qemu.log");
         let child =
@@ -395,6 +417,31 @@ impl Vm {
         vm.qemu = Some(child);
         vm.phase("boot", &detail, t);
         Ok(())
+    }
+
+    /// Starts one `swtpm socket --tpm2` on `state` with its control socket in the run
+    /// directory (QEMU's `-tpmdev emulator` connects there); returns that socket. swtpm
+    /// ends with QEMU (`--terminate`: when QEMU closes the control channel).
+    fn start_swtpm(&mut self, state: &Path) -> Result<PathBuf, HarnessError> {
+        let t = Instant::now();
+        std::fs::create_dir_all(state).map_err(|e| HarnessError::io(state, e))?;
+        let ctrl = self.spec.run_dir.join("swtpm.sock");
+        let cmd = crate::swtpm::vm_command(&self.spec.swtpm_bin, state, &ctrl);
+        let mut child =
+            Child::spawn("swtpm", cmd, &self.spec.run_dir.join("swtpm.log")).map_err(|e| {
+                HarnessError::Spawn {
+                    what: format!(
+                        "{} (Debian package swtpm; scripts/setup.sh installs it)",
+                        self.spec.swtpm_bin.display()
+                    ),
+                    source: e,
+                }
+            })?;
+        wait_for_path(&ctrl, Duration::from_secs(20), &mut child)?;
+        self.swtpm = Some(child);
+        let detail = format!("swtpm, state {}", state.display());
+        self.phase("vtpm", &detail, t);
+        Ok(ctrl)
     }
 
     /// The console so far.
@@ -464,6 +511,23 @@ impl Vm {
                         self.console_tail()
                     ),
                 });
+            }
+        }
+        // swtpm ends with QEMU by design; while QEMU runs, its death is an error.
+        if let Some(t) = self.swtpm.as_mut() {
+            let qemu_running = self.qemu.as_mut().is_some_and(|q| q.try_status().is_none());
+            if qemu_running && !allow_qemu_exit {
+                if let Some(s) = t.try_status() {
+                    return Err(HarnessError::ProcessDied {
+                        name: "swtpm".into(),
+                        status: s.to_string(),
+                        log_tail: format!(
+                            "{}\n--- console ---\n{}",
+                            tail(&t.log(), 10),
+                            self.console_tail()
+                        ),
+                    });
+                }
             }
         }
         if !allow_qemu_exit {
@@ -555,6 +619,9 @@ impl Vm {
         if let Some(b) = &self.vhost {
             v.push((b.name().to_string(), b.pid()));
         }
+        if let Some(t) = &self.swtpm {
+            v.push((t.name().to_string(), t.pid()));
+        }
         v
     }
 }
@@ -574,6 +641,9 @@ impl Drop for Vm {
         }
         if let Some(mut v) = self.vhost.take() {
             v.terminate(Duration::from_secs(2));
+        }
+        if let Some(mut t) = self.swtpm.take() {
+            t.terminate(Duration::from_secs(2));
         }
         if std::thread::panicking() || self.spec.keep_run_dir {
             eprintln!(

@@ -35,6 +35,16 @@ pub fn target_dir() -> PathBuf {
         .unwrap_or_else(|| workspace_root().join("target"))
 }
 
+/// The package that builds binary `name` (each binary is built with `-p` of its own
+/// package, so its features are its own, as shipped: a workspace-wide build would unify
+/// features and link, for example, rcgen's `ring` into the guest-init a VM boots).
+fn package_of(name: &str) -> &str {
+    match name {
+        "guest-probe" => "qemu-harness",
+        other => other,
+    }
+}
+
 /// Brings a workspace binary up to date with cargo, once per test process per binary (a
 /// no-op when it is current), so a test run with `-p e2e-tests` never exercises a binary
 /// built before the last edit: a planted regression in it must fail the test.
@@ -46,7 +56,7 @@ fn build_once(name: &str, args: &[&str]) {
         return;
     }
     let status = std::process::Command::new(env!("CARGO"))
-        .args(["build", "--quiet", "--bin", name])
+        .args(["build", "--quiet", "-p", package_of(name), "--bin", name])
         .args(args)
         .current_dir(workspace_root())
         .status()

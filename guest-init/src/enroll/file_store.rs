@@ -12,7 +12,7 @@
 //!
 //! Threat: another uid in the VM reading the key; a partially written key after a crash;
 //! a symlink planted at the key's path. Not defended: someone with the raw disk (use the
-//! memory store, or a vTPM store later).
+//! TPM store, or the memory store).
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -107,19 +107,28 @@ impl KeyStore for FileKeyStore {
     }
 
     fn slots(&self) -> Result<Vec<String>, KeyStoreError> {
-        let rd = std::fs::read_dir(&self.dir).map_err(|e| io_err("list keys".into(), e))?;
-        let mut out = Vec::new();
-        for entry in rd {
-            let entry = entry.map_err(|e| io_err("list keys".into(), e))?;
-            let name = entry.file_name();
-            if let Some(slot) = name.to_str().and_then(|n| n.strip_suffix(".key")) {
-                if is_slot(slot) {
-                    out.push(slot.to_owned());
-                }
+        key_slots(&self.dir, STORE)
+    }
+}
+
+/// The slots of the `<slot>.key` files in `dir` (the file and TPM stores keep one file
+/// per key there).
+pub(super) fn key_slots(dir: &Path, store: &'static str) -> Result<Vec<String>, KeyStoreError> {
+    let list_err = |source| KeyStoreError::Io {
+        store,
+        what: "list keys".into(),
+        source,
+    };
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(list_err)? {
+        let name = entry.map_err(list_err)?.file_name();
+        if let Some(slot) = name.to_str().and_then(|n| n.strip_suffix(".key")) {
+            if is_slot(slot) {
+                out.push(slot.to_owned());
             }
         }
-        Ok(out)
     }
+    Ok(out)
 }
 
 #[cfg(test)]

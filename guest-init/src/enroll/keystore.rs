@@ -2,16 +2,19 @@
 //!
 //! A [`KeyStore`] makes, keeps and forgets keys by *slot* (a short name the enrollment
 //! state refers to); a [`MachineKey`] can only say its public key and sign. Nothing outside
-//! a store ever sees private key bytes, which is what lets a hardware-backed store (a vTPM,
-//! where the key is created inside the TPM and cannot be exported) slot in later without
-//! touching the enrollment logic: it implements the same two traits.
+//! a store ever sees private key bytes, which is what lets the hardware-backed store (a
+//! vTPM, where the key is created inside the TPM and cannot be exported) use the same
+//! enrollment logic: it implements the same two traits.
 //!
-//! Two stores exist today:
+//! Three stores exist:
 //! - [`super::file_store::FileKeyStore`]: PKCS#8 DER in a root-only `0700` directory, each
 //!   file `0600`, written durably (survives reboots; a copied disk carries the key);
 //! - [`super::memory_store::MemoryKeyStore`]: the key only in `memfd_secret` memory (or
 //!   `mlock`ed, non-dumpable memory), never on disk; lost at every reboot, so the VM
 //!   re-enrolls on every boot with fresh bootstrap material.
+//! - [`super::tpm::TpmKeyStore`] (feature `tpm`, on by default): the key made by the VM's
+//!   TPM 2.0 and kept on disk only wrapped by that TPM (survives reboots with the same TPM
+//!   state; a copied disk carries no usable key).
 //!
 //! Keys are P-256 (ECDSA with SHA-256), generated inside the guest from the OS RNG. The
 //! in-memory `p256` signing key wipes itself on drop.

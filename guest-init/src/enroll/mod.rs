@@ -11,7 +11,8 @@
 //! - [`push`]: the one-time bootstrap push from the host;
 //! - [`ca`]: the pinned management CA and the signature check of issued certificates;
 //! - [`identity`]: the identity and its URI form in the CSR and certificate;
-//! - [`keystore`] with [`file_store`] and [`memory_store`]: where the P-256 key lives;
+//! - [`keystore`] with [`file_store`], [`memory_store`] and `tpm` (the VM's TPM 2.0): where
+//!   the P-256 key lives;
 //! - [`csr`]: the CSR, signed through rcgen's external-signer traits;
 //! - [`protocol`] and [`client`]: the versioned one-line JSON exchange and its retries;
 //! - [`verify`]: checks on the returned certificate (issuer, key, validity, identity,
@@ -47,6 +48,8 @@ pub mod memory_store;
 pub mod protocol;
 pub mod push;
 pub mod state;
+#[cfg(feature = "tpm")]
+pub mod tpm;
 pub mod verify;
 
 use std::path::{Path, PathBuf};
@@ -86,6 +89,8 @@ pub enum KeyStoreKind {
     File,
     /// Protected memory only; re-enroll every boot. Not for `guest-init enroll`.
     Memory,
+    /// Created in the VM's TPM 2.0 (`/dev/tpmrm0`); only a TPM-wrapped blob on disk.
+    Tpm,
 }
 
 /// The default state directory.
@@ -109,7 +114,7 @@ fn default_timeout_ms() -> u64 {
 pub struct EnrollConfig {
     /// Where the bootstrap material comes from.
     pub bootstrap: BootstrapSource,
-    /// The key store (`file` or `memory`; default `file`).
+    /// The key store (`file`, `memory` or `tpm`; default `file`).
     #[serde(default)]
     pub key_store: KeyStoreKind,
     /// Root-only state directory (key files, CSR, records, the epoch floor). Default
@@ -374,12 +379,17 @@ async fn with_store(
     f: impl for<'a> FnOnce(&'a state::Enroller<'a>) -> RunFuture<'a>,
 ) -> Result<Outcome, EnrollError> {
     let file_store;
+    let tpm_store;
     let store: &dyn KeyStore = match cfg.key_store {
         KeyStoreKind::File => {
             file_store = file_store::FileKeyStore::open_dir(&cfg.state_dir)?;
             &file_store
         }
         KeyStoreKind::Memory => memory_store()?,
+        KeyStoreKind::Tpm => {
+            tpm_store = open_tpm_store(&cfg.state_dir)?;
+            &tpm_store
+        }
     };
     let enroller = state::Enroller {
         state_dir: cfg.state_dir.clone(),
@@ -391,6 +401,23 @@ async fn with_store(
         discard_refused,
     };
     f(&enroller).await
+}
+
+/// The TPM store on `/dev/tpmrm0`. A VM without it is a configuration error naming
+/// `key_store`, found before anything is written; never a fallback to another store.
+#[cfg(feature = "tpm")]
+fn open_tpm_store(state_dir: &Path) -> Result<tpm::TpmKeyStore, EnrollError> {
+    let device = Path::new(tpm::DEVICE);
+    tpm::require_device(device).map_err(EnrollError::Config)?;
+    Ok(tpm::TpmKeyStore::with_device(state_dir, device)?)
+}
+
+/// Built without the `tpm` feature (only to measure its cost): the store is refused.
+#[cfg(not(feature = "tpm"))]
+fn open_tpm_store(_: &Path) -> Result<file_store::FileKeyStore, EnrollError> {
+    Err(EnrollError::Config(
+        "key_store: \"tpm\" is not in this build (built without the `tpm` feature); use a standard build".into(),
+    ))
 }
 
 /// The boot step: called by PID 1 after the forwarders are up and before the app starts.

@@ -162,6 +162,34 @@ fn good_material_gets_past_validation() {
 }
 
 #[test]
+fn the_tpm_store_without_a_tpm_is_a_configuration_error() {
+    // A host (or VM) without /dev/tpmrm0 asked for the TPM store: a configuration error
+    // naming the field and the fix, before anything is written; never the file store.
+    if std::path::Path::new("/dev/tpmrm0").exists() {
+        // This machine has a TPM: the refusal cannot be provoked here. The VM test
+        // `enroll_vm_tpm` covers the store with a TPM; this path needs a machine without.
+        assert!(
+            std::env::var("REQUIRE_ALL").as_deref() != Ok("1"),
+            "this host has /dev/tpmrm0: run this test where there is none"
+        );
+        eprintln!("SKIPPED: this host has /dev/tpmrm0");
+        return;
+    }
+    let (code, out, dir) = run_with(good().to_string().as_bytes(), 0o600, |s| {
+        s["key_store"] = "tpm".into();
+    });
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains("key_store: \"tpm\" needs a TPM 2.0 at /dev/tpmrm0")
+            && out.contains("give the VM a TPM"),
+        "the message must name the field, the device and the fix: {out}"
+    );
+    assert!(!out.contains(TOKEN), "the token leaked: {out}");
+    assert!(!dir.path().join("state").exists(), "state written");
+    assert!(!dir.path().join("identity").exists(), "publish dir written");
+}
+
+#[test]
 fn the_memory_store_is_refused_for_the_enroll_subcommand() {
     // `guest-init enroll` is its own process: a memory-store key would die with it, leaving
     // a published certificate for a key that no longer exists. Refused before anything is

@@ -187,6 +187,30 @@ impl EnrollService {
         base64::engine::general_purpose::STANDARD.encode(&self.inner.ca_der)
     }
 
+    /// The bootstrap document the platform stages or pushes for `binding` (the format in
+    /// `docs/ENROLLMENT.md`), with the token and the expiry [`EnrollService::register`]
+    /// returned, pinning this service's CA.
+    pub fn material_json(
+        &self,
+        token: &str,
+        binding: &Identity,
+        expires_at: u64,
+        enrollment_port: u32,
+    ) -> serde_json::Value {
+        serde_json::json!({
+            "version": 1,
+            "workspace_namespace": binding.workspace_namespace,
+            "workspace_name": binding.workspace_name,
+            "workspace_uid": binding.workspace_uid,
+            "vm_uid": binding.vm_uid,
+            "revocation_epoch": binding.epoch,
+            "token": token,
+            "expires_at": expires_at,
+            "enrollment_port": enrollment_port,
+            "management_ca": self.management_ca_b64(),
+        })
+    }
+
     /// The service's current time (real time plus [`EnrollService::advance_clock`]).
     pub fn now(&self) -> u64 {
         self.inner.now()

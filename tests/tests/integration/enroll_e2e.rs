@@ -31,6 +31,8 @@ use x509_parser::prelude::*;
 mod denials;
 /// The pinned management CA (a second CA on the enrollment port) and the guest clock.
 mod pinned_ca;
+/// The state machine with the TPM store (swtpm, no VM).
+mod tpm;
 
 const VM: &str = "vm-1";
 
@@ -249,19 +251,7 @@ impl Env {
     /// A bootstrap document for `id` and `token` (what the platform stages or pushes).
     fn material_doc(&mut self, token: &str, id: &Identity, expires: u64) -> String {
         self.tokens.push(token.to_owned());
-        serde_json::json!({
-            "version": 1,
-            "workspace_namespace": id.workspace_namespace,
-            "workspace_name": id.workspace_name,
-            "workspace_uid": id.workspace_uid,
-            "vm_uid": id.vm_uid,
-            "revocation_epoch": id.epoch,
-            "token": token,
-            "expires_at": expires,
-            "enrollment_port": 5002,
-            "management_ca": self.svc.management_ca_b64(),
-        })
-        .to_string()
+        self.svc.material_json(token, id, expires, 5002).to_string()
     }
 
     fn guest(&self) -> Command {

@@ -54,18 +54,7 @@ fn vm_enrolls_through_vsock_and_host_relay_before_the_app_starts() {
         let expires = svc
             .register(token, &id, Duration::from_secs(15 * 60))
             .unwrap();
-        let material = json!({
-            "version": 1,
-            "workspace_namespace": id.workspace_namespace,
-            "workspace_name": id.workspace_name,
-            "workspace_uid": id.workspace_uid,
-            "vm_uid": id.vm_uid,
-            "revocation_epoch": id.epoch,
-            "token": token,
-            "expires_at": expires,
-            "enrollment_port": ENROLL_PORT,
-            "management_ca": svc.management_ca_b64(),
-        });
+        let material = svc.material_json(token, &id, expires, ENROLL_PORT);
 
         let config = json!({
             "version": 1,

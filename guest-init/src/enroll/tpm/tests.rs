@@ -1,0 +1,147 @@
+//! Host-side tests of the TPM transport, session and store against a real swtpm, reached
+//! over its raw-command Unix socket (`swtpm socket --server type=unixio`): no VM needed.
+
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+
+use p256::ecdsa::signature::Verifier;
+use qemu_harness::swtpm::RawServer;
+
+use super::store::{Connector, Stream, TpmKeyStore};
+use crate::enroll::keystore::KeyStore;
+
+/// A swtpm on `state` (the same directory again is the same TPM), or `None` when swtpm
+/// is missing and `REQUIRE_ALL` is not set.
+fn swtpm(state: &Path) -> Option<RawServer> {
+    if Command::new("swtpm").arg("--version").output().is_err() {
+        assert!(
+            std::env::var("REQUIRE_ALL").as_deref() != Ok("1"),
+            "swtpm is missing (scripts/setup.sh installs it)"
+        );
+        eprintln!("SKIPPED: swtpm is not installed");
+        return None;
+    }
+    Some(RawServer::start(state).expect("start swtpm"))
+}
+
+/// A connector for the store: a fresh connection to the server per operation.
+fn connector(server: &RawServer) -> Connector {
+    let sock = server.socket().to_path_buf();
+    Arc::new(move || UnixStream::connect(&sock).map(|s| Box::new(s) as Box<dyn Stream>))
+}
+
+fn verify(public_sec1: &[u8], msg: &[u8], der: &[u8]) -> bool {
+    let vk = p256::ecdsa::VerifyingKey::from_sec1_bytes(public_sec1).unwrap();
+    let sig = p256::ecdsa::Signature::from_der(der).unwrap();
+    vk.verify(msg, &sig).is_ok()
+}
+
+#[test]
+fn keys_are_made_by_the_tpm_and_survive_a_tpm_restart() {
+    let d = tempfile::tempdir().unwrap();
+    let (state, dir) = (d.path().join("tpm"), d.path().join("keys"));
+    std::fs::create_dir(&state).unwrap();
+    let Some(tpm) = swtpm(&state) else {
+        return;
+    };
+    let store = TpmKeyStore::with_connector(&dir, connector(&tpm)).unwrap();
+    let (slot, key) = store.generate().unwrap();
+    let der = key.sign_der(b"hello").unwrap();
+    assert!(verify(key.public_sec1(), b"hello", &der));
+    assert!(!verify(key.public_sec1(), b"other", &der));
+    // Two signatures differ (ECDSA nonces come from the TPM) and both verify.
+    let again = key.sign_der(b"hello").unwrap();
+    assert_ne!(der, again);
+    assert!(verify(key.public_sec1(), b"hello", &again));
+
+    // The blob on disk is public + wrapped private, not PKCS#8.
+    let blob = std::fs::read(store.key_path(&slot)).unwrap();
+    let (public, _) = super::commands::unmarshal_blob(&blob).unwrap();
+    assert_eq!(
+        super::commands::signing_point(&public).unwrap(),
+        key.public_sec1()
+    );
+    assert!(p256::SecretKey::from_sec1_der(&blob).is_err());
+    assert!(<p256::SecretKey as p256::pkcs8::DecodePrivateKey>::from_pkcs8_der(&blob).is_err());
+
+    // The same TPM state after a restart (a reboot) loads and signs with it.
+    drop(tpm);
+    let tpm = swtpm(&state).unwrap();
+    let store = TpmKeyStore::with_connector(&dir, connector(&tpm)).unwrap();
+    let reopened = store.open(&slot).unwrap().unwrap();
+    assert_eq!(reopened.public_sec1(), key.public_sec1());
+    let der = reopened.sign_der(b"after reboot").unwrap();
+    assert!(verify(key.public_sec1(), b"after reboot", &der));
+    assert_eq!(store.slots().unwrap(), vec![slot.clone()]);
+
+    // Handles are flushed: many operations do not fill swtpm's three transient slots.
+    for _ in 0..8 {
+        reopened.sign_der(b"x").unwrap();
+    }
+    store.remove(&slot).unwrap();
+    assert!(store.open(&slot).unwrap().is_none());
+}
+
+#[test]
+fn another_tpm_cannot_load_the_blob_and_says_so() {
+    let d = tempfile::tempdir().unwrap();
+    let (a, b, dir) = (
+        d.path().join("a"),
+        d.path().join("b"),
+        d.path().join("keys"),
+    );
+    std::fs::create_dir(&a).unwrap();
+    std::fs::create_dir(&b).unwrap();
+    let Some(tpm_a) = swtpm(&a) else {
+        return;
+    };
+    let (slot, _) = TpmKeyStore::with_connector(&dir, connector(&tpm_a))
+        .unwrap()
+        .generate()
+        .unwrap();
+    drop(tpm_a);
+    let tpm_b = swtpm(&b).unwrap();
+    let store = TpmKeyStore::with_connector(&dir, connector(&tpm_b)).unwrap();
+    let e = store
+        .open(&slot)
+        .err()
+        .expect("a foreign blob must not load");
+    let msg = e.to_string();
+    assert!(msg.contains("another TPM"), "{msg}");
+    assert!(msg.contains(&slot), "{msg}");
+    // Nothing was removed: the blob is the evidence, and the state is not ours to drop.
+    assert!(store.key_path(&slot).exists());
+}
+
+#[test]
+fn a_swapped_or_damaged_blob_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let (state, dir) = (d.path().join("tpm"), d.path().join("keys"));
+    std::fs::create_dir(&state).unwrap();
+    let Some(tpm) = swtpm(&state) else {
+        return;
+    };
+    let store = TpmKeyStore::with_connector(&dir, connector(&tpm)).unwrap();
+    let (a, _) = store.generate().unwrap();
+    let (b, _) = store.generate().unwrap();
+    // b's blob under a's name: the public key does not match the slot.
+    std::fs::copy(store.key_path(&b), store.key_path(&a)).unwrap();
+    let e = store.open(&a).err().unwrap().to_string();
+    assert!(e.contains("another key"), "{e}");
+    // A flipped bit in the wrapped private: the TPM's integrity check refuses it.
+    let mut blob = std::fs::read(store.key_path(&b)).unwrap();
+    let last = blob.len() - 1;
+    blob[last] ^= 1;
+    std::fs::write(store.key_path(&b), &blob).unwrap();
+    let e = store.open(&b).err().unwrap().to_string();
+    assert!(e.contains("cannot be loaded"), "{e}");
+}
+
+#[test]
+fn a_missing_device_is_a_configuration_error_naming_the_field() {
+    let e = super::require_device(Path::new("/nonexistent/tpmrm0")).unwrap_err();
+    assert!(e.starts_with("key_store:"), "{e}");
+    assert!(e.contains("/nonexistent/tpmrm0"), "{e}");
+}
