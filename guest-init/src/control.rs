@@ -26,13 +26,14 @@
 //! the shutdown: a guest that writes and powers off at once can lose its last bytes on
 //! vsock.
 
-use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::task::JoinHandle;
 
 use crate::{debug, warn};
+use vm_transport::mode::SocketMode;
+use vm_transport::publish::{self, Access};
 use vm_transport::vsock::VMADDR_CID_HOST;
 use vm_transport::{Conn, Endpoint, Listener, Peer};
 
@@ -45,8 +46,13 @@ const REFUSED: &[u8] = b"ERR not the host\n";
 const MAX_LINE: usize = 64;
 /// How long a client may take to send its line.
 const READ_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long to wait for the host to close after `ok stopping`.
-const LINGER: Duration = Duration::from_millis(500);
+/// How long to wait for the host to close after `ok stopping`. (Long in unit tests, so
+/// that the test of the wait cannot lose a race against it on a loaded machine.)
+const LINGER: Duration = if cfg!(test) {
+    Duration::from_secs(10)
+} else {
+    Duration::from_millis(500)
+};
 
 /// A control listener that could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -59,37 +65,36 @@ pub struct ControlError {
 
 /// Binds the control endpoint and spawns its accept loop on the current runtime. Each
 /// `stop` sends one `()` on `stop`.
+///
+/// A Unix path is published by [`vm_transport::publish`]: mode 0600 set before the socket
+/// appears at the path and before it listens, so no process is ever let in by a default
+/// mode; a stale socket replaced, a live one (another guest-init's control port) or any
+/// other file refused. The file is removed when the accept loop ends.
 pub fn start(ep: &Endpoint, stop: UnboundedSender<()>) -> Result<JoinHandle<()>, ControlError> {
     let err = |source| ControlError {
         endpoint: ep.to_string(),
         source,
     };
-    if let Some(path) = ep.unix_path() {
-        if let Some(parent) = path.parent() {
-            std::fs::create_dir_all(parent).map_err(err)?;
+    let (listener, file) = match ep.unix_path() {
+        Some(path) => {
+            let access = Access {
+                mode: SocketMode::OWNER_ONLY,
+                uid: None,
+                gid: None,
+            };
+            let published =
+                publish::publish(path, access, true).map_err(|e| err(std::io::Error::other(e)))?;
+            let listener = Listener::from_listening_fd(published.fd, ep.clone()).map_err(err)?;
+            (listener, Some(published.file))
         }
-        remove_stale_socket(path).map_err(err)?;
-    }
-    let listener = ep.listen().map_err(err)?;
-    if let Some(path) = ep.unix_path() {
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(err)?;
-    }
+        None => (ep.listen().map_err(err)?, None),
+    };
     debug!("control: listening at {ep}");
-    Ok(tokio::spawn(accept_loop(listener, stop)))
-}
-
-/// Removes a socket left by an earlier run; refuses to remove anything that is not a socket.
-fn remove_stale_socket(path: &std::path::Path) -> std::io::Result<()> {
-    use std::os::unix::fs::FileTypeExt;
-    match std::fs::symlink_metadata(path) {
-        Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path),
-        Ok(_) => Err(std::io::Error::new(
-            std::io::ErrorKind::AlreadyExists,
-            "the path exists and is not a socket; remove it or choose another path",
-        )),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(e),
-    }
+    Ok(tokio::spawn(async move {
+        // Owned by the loop: the socket file goes when the loop does.
+        let _file = file;
+        accept_loop(listener, stop).await;
+    }))
 }
 
 async fn accept_loop(listener: Listener, stop: UnboundedSender<()>) {
@@ -207,6 +212,7 @@ async fn serve(conn: Conn, stop: &UnboundedSender<()>) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     #[test]
     fn commands_parse() {
@@ -293,12 +299,81 @@ mod tests {
         assert!(rx.try_recv().is_err(), "a refused peer stopped the VM");
     }
 
-    #[test]
-    fn a_non_socket_at_the_path_is_not_removed() {
+    #[tokio::test]
+    async fn a_live_socket_or_another_file_at_the_path_is_refused_and_kept() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("precious");
-        std::fs::write(&path, b"data").unwrap();
-        assert!(remove_stale_socket(&path).is_err());
-        assert_eq!(std::fs::read(&path).unwrap(), b"data");
+        let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
+        // Another guest-init's control port, serving: not ours to take over.
+        let live = dir.path().join("live.sock");
+        let other = std::os::unix::net::UnixListener::bind(&live).unwrap();
+        let e = start(&Endpoint::Unix(live.clone()), tx.clone()).unwrap_err();
+        assert!(
+            e.to_string().contains("another process is listening"),
+            "{e}"
+        );
+        drop(std::os::unix::net::UnixStream::connect(&live).unwrap());
+        other.accept().unwrap();
+        // A regular file: refused, its content kept.
+        let precious = dir.path().join("precious");
+        std::fs::write(&precious, b"data").unwrap();
+        let e = start(&Endpoint::Unix(precious.clone()), tx).unwrap_err();
+        assert!(e.to_string().contains("not a socket"), "{e}");
+        assert_eq!(std::fs::read(&precious).unwrap(), b"data");
+    }
+
+    #[tokio::test]
+    async fn a_fresh_path_is_made_owner_only_and_removed_when_the_loop_ends() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("new/dir/control.sock");
+        let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
+        let h = start(&Endpoint::Unix(path.clone()), tx).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        assert_eq!(ask(&path, b"ping\n").await, b"ok pong\n");
+        h.abort();
+        let _ = h.await;
+        assert!(!path.exists(), "the control socket outlived its loop");
+    }
+
+    #[tokio::test]
+    async fn a_request_split_across_reads_is_understood() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("control.sock");
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let _h = start(&Endpoint::Unix(path.clone()), tx).unwrap();
+        let mut s = tokio::net::UnixStream::connect(&path).await.unwrap();
+        s.write_all(b"pi").await.unwrap();
+        // Let the server read the first piece on its own before the rest arrives.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        s.write_all(b"ng\n").await.unwrap();
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).await.unwrap();
+        assert_eq!(out, b"ok pong\n");
+        assert!(rx.try_recv().is_err());
+    }
+
+    #[tokio::test]
+    async fn the_stop_waits_for_the_host_to_close() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("control.sock");
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let _h = start(&Endpoint::Unix(path.clone()), tx).unwrap();
+        let mut s = tokio::net::UnixStream::connect(&path).await.unwrap();
+        s.write_all(b"stop\n").await.unwrap();
+        let mut reply = [0u8; 12];
+        s.read_exact(&mut reply).await.unwrap();
+        assert_eq!(&reply, b"ok stopping\n");
+        assert_eq!(s.read(&mut [0u8; 1]).await.unwrap(), 0, "no half-close");
+        // The host has its answer but has not closed: powering off now could lose the
+        // answer on vsock, so the guest waits (given time to show it does not).
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(rx.try_recv().is_err(), "stopped before the host closed");
+        drop(s);
+        tokio::time::timeout(Duration::from_secs(5), rx.recv())
+            .await
+            .expect("no stop after the host closed")
+            .unwrap();
     }
 }

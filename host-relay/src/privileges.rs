@@ -275,6 +275,19 @@ fn prctl(option: libc::c_int, arg2: libc::c_ulong) -> Result<(), Errno> {
     Errno::result(r).map(drop)
 }
 
+/// Whether the ids read back after the drop are the ones `run_as` asked for: every one of
+/// real, effective and saved uid and gid, and the supplementary groups as a set (`run_as`
+/// may list them in any order, with repeats).
+fn ids_match(run_as: &RunAs, uids: [u32; 3], gids: [u32; 3], groups: &[u32]) -> bool {
+    let mut have = groups.to_vec();
+    have.sort_unstable();
+    have.dedup();
+    let mut want = run_as.groups.clone();
+    want.sort_unstable();
+    want.dedup();
+    uids == [run_as.uid; 3] && gids == [run_as.gid; 3] && have == want
+}
+
 /// Sets supplementary groups, then real/effective/saved gid, then uid; empties every
 /// capability set; and verifies all of it.
 pub fn drop_to(run_as: &RunAs) -> Result<(), PrivilegeError> {
@@ -310,19 +323,14 @@ pub fn drop_to(run_as: &RunAs) -> Result<(), PrivilegeError> {
 
     let ru = unistd::getresuid().map_err(|e| call("getresuid", e))?;
     let rg = unistd::getresgid().map_err(|e| call("getresgid", e))?;
-    let mut have: Vec<u32> = unistd::getgroups()
+    let have: Vec<u32> = unistd::getgroups()
         .map_err(|e| call("getgroups", e))?
         .iter()
         .map(|g| g.as_raw())
         .collect();
-    have.sort_unstable();
-    let mut want = run_as.groups.clone();
-    want.sort_unstable();
-    want.dedup();
-    have.dedup();
-    let ids_ok =
-        [ru.real, ru.effective, ru.saved] == [u; 3] && [rg.real, rg.effective, rg.saved] == [g; 3];
-    if !ids_ok || have != want {
+    let uids = [ru.real, ru.effective, ru.saved].map(Uid::as_raw);
+    let gids = [rg.real, rg.effective, rg.saved].map(Gid::as_raw);
+    if !ids_match(run_as, uids, gids, &have) {
         return Err(PrivilegeError::Mismatch {
             uid,
             gid,
@@ -393,8 +401,6 @@ mod tests {
             e.contains("/proc/self/status") && e.contains("mount /proc"),
             "{e}"
         );
-        // This test runner has several threads; a missing /proc would make it an error.
-        assert!(thread_count().unwrap() >= 1);
     }
 
     #[test]
@@ -413,6 +419,8 @@ mod tests {
     const CAPS_LEFT: i32 = 30;
     const BECAME_ROOT: i32 = 40;
     const NOT_REFUSED_NOR_CLEAN: i32 = 50;
+    const MISREAD: i32 = 60;
+    const NO_NEW_PRIVS_OFF: i32 = 70;
 
     /// The child: become uid/gid 65534 keeping CAP_SETUID and CAP_SETGID in the effective,
     /// permitted, inheritable and ambient sets (what `setpriv --reuid=65534 --regid=65534
@@ -470,23 +478,92 @@ mod tests {
                 return SETUP_FAILED;
             }
         }
-        match current_caps() {
-            Ok(c) if c.ambient == u64::from(keep) && c.effective == u64::from(keep) => {}
-            _ => return SETUP_FAILED,
+        let k = u64::from(keep);
+        let expected = CapSets {
+            effective: k,
+            permitted: k,
+            inheritable: k,
+            ambient: k,
+        };
+        if kernel_caps() != Some(expected) {
+            return SETUP_FAILED;
+        }
+        // What the relay reads must be what the kernel reports, ambient set included.
+        if current_caps() != Ok(expected) {
+            return MISREAD;
         }
         let result = drop_to(&run_as(65533, 65533, &[]));
-        let caps = current_caps();
         let became_root = unistd::setuid(Uid::from_raw(0)).is_ok()
             || unistd::getresuid().is_ok_and(|r| r.effective.is_root());
         if became_root {
             return BECAME_ROOT;
         }
-        match (result, caps) {
-            (Ok(()), Ok(c)) if c == CapSets::default() => 0,
-            (Ok(()), _) => CAPS_LEFT,
-            (Err(PrivilegeError::CapsRemain { .. }), _) => 0,
-            (Err(_), _) => NOT_REFUSED_NOR_CLEAN,
+        // Lowering one's own sets needs no privilege: the drop must succeed, and the kernel
+        // must show every set empty and no_new_privs on.
+        match result {
+            Ok(()) if kernel_caps() != Some(CapSets::default()) => CAPS_LEFT,
+            Ok(()) if status_field("NoNewPrivs").as_deref() != Some("1") => NO_NEW_PRIVS_OFF,
+            Ok(()) => 0,
+            Err(_) => NOT_REFUSED_NOR_CLEAN,
         }
+    }
+
+    /// A field of this thread's `/proc/thread-self/status`: the kernel's view.
+    fn status_field(name: &str) -> Option<String> {
+        let status = std::fs::read_to_string("/proc/thread-self/status").ok()?;
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .map(|v| v.trim().to_owned())
+    }
+
+    /// This thread's capability sets as the kernel reports them in `/proc`.
+    fn kernel_caps() -> Option<CapSets> {
+        let mask = |n| u64::from_str_radix(&status_field(n)?, 16).ok();
+        Some(CapSets {
+            effective: mask("CapEff")?,
+            permitted: mask("CapPrm")?,
+            inheritable: mask("CapInh")?,
+            ambient: mask("CapAmb")?,
+        })
+    }
+
+    #[test]
+    fn the_caps_read_are_the_kernels() {
+        // Whatever this runner holds (as root here: bits above 31 too, which the upper
+        // half of capget's answer carries), the two views must agree.
+        assert_eq!(Some(current_caps().unwrap()), kernel_caps());
+    }
+
+    #[test]
+    fn threads_are_counted_and_a_second_thread_refuses_the_drop() {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let other = std::thread::spawn(move || rx.recv());
+        let n = thread_count().unwrap();
+        assert!(n >= 2, "{n} threads counted while two run");
+        // Refused before anything is touched (ids that are not root's, so a regression
+        // would show as this runner losing root, failing every later test).
+        let e = drop_to(&run_as(65533, 65533, &[])).unwrap_err();
+        assert!(matches!(e, PrivilegeError::Threads(t) if t >= 2), "{e}");
+        tx.send(()).unwrap();
+        other.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn ids_must_all_match_after_the_drop() {
+        let want = run_as(1000, 1001, &[7, 5, 7]);
+        let ok = |u: [u32; 3], g: [u32; 3], groups: &[u32]| ids_match(&want, u, g, groups);
+        assert!(ok([1000; 3], [1001; 3], &[5, 7]));
+        assert!(ok([1000; 3], [1001; 3], &[7, 5]));
+        for u in [[0, 1000, 1000], [1000, 0, 1000], [1000, 1000, 0]] {
+            assert!(!ok(u, [1001; 3], &[5, 7]), "uids {u:?}");
+        }
+        for g in [[0, 1001, 1001], [1001, 0, 1001], [1001, 1001, 0]] {
+            assert!(!ok([1000; 3], g, &[5, 7]), "gids {g:?}");
+        }
+        assert!(!ok([1000; 3], [1001; 3], &[5]), "a group missing");
+        assert!(!ok([1000; 3], [1001; 3], &[0, 5, 7]), "a group kept");
+        assert!(!ok([1000; 3], [1001; 3], &[]), "no groups");
     }
 
     #[test]
@@ -518,7 +595,12 @@ mod tests {
                     code, BECAME_ROOT,
                     "after the drop, setuid(0) succeeded: root regained"
                 );
+                assert_ne!(code, MISREAD, "current_caps disagrees with /proc");
                 assert_ne!(code, CAPS_LEFT, "the drop succeeded with capabilities left");
+                assert_ne!(
+                    code, NO_NEW_PRIVS_OFF,
+                    "no_new_privs is not set after the drop"
+                );
                 assert_eq!(code, 0, "the drop failed for another reason");
             }
         }

@@ -370,4 +370,56 @@ pub(crate) mod tests {
         let e = ManagementCa::from_der(&[good.der().as_ref(), &[0]].concat()).unwrap_err();
         assert!(e.contains("follow"), "{e}");
     }
+
+    /// A CA certificate of exactly `len` DER bytes (a private extension pads it). The
+    /// signature's DER length varies by a byte or two with the signed bytes, so each
+    /// padding near the target is tried with a few serial numbers.
+    fn ca_der_of_len(len: usize) -> Vec<u8> {
+        let key = P256Key::generate("test").unwrap();
+        let make = |pad: usize, serial: u8| {
+            let mut p = ca_params("management CA");
+            p.serial_number = Some(vec![0x0c, serial].into());
+            let mut content = vec![0x04, 0x82];
+            content.extend_from_slice(&u16::try_from(pad).unwrap().to_be_bytes());
+            content.resize(4 + pad, 0x5a);
+            p.custom_extensions
+                .push(rcgen::CustomExtension::from_oid_content(
+                    &[1, 3, 6, 1, 4, 1, 99999, 2],
+                    content,
+                ));
+            p.self_signed(&RcgenSigner(&key)).unwrap().der().to_vec()
+        };
+        let base = make(1000, 1).len();
+        let pad = 1000 + len - base;
+        for p in pad.saturating_sub(4)..=pad + 4 {
+            for serial in 1..=32 {
+                let der = make(p, serial);
+                if der.len() == len {
+                    return der;
+                }
+            }
+        }
+        panic!("no CA certificate of exactly {len} bytes");
+    }
+
+    #[test]
+    fn the_pin_may_be_up_to_max_ca_der_bytes() {
+        ManagementCa::from_der(&ca_der_of_len(MAX_CA_DER)).unwrap();
+        let e = ManagementCa::from_der(&ca_der_of_len(MAX_CA_DER + 1)).unwrap_err();
+        assert!(e.contains("larger than 2048 bytes"), "{e}");
+    }
+
+    #[test]
+    fn the_pin_shows_its_subject_and_key_fingerprint_in_debug() {
+        let ca = TestCa::new("management CA");
+        let d = format!("{:?}", ca.pin);
+        assert!(d.contains("CN=management CA"), "{d}");
+        // The fingerprint is SHA-256 over the certificate's own SubjectPublicKeyInfo (what
+        // `openssl x509 -pubkey -noout | openssl pkey -pubin -outform der | sha256sum`
+        // prints).
+        let (_, cert) = X509Certificate::from_der(ca.pin.der()).unwrap();
+        let want = hex(&Sha256::digest(cert.public_key().raw));
+        assert_eq!(ca.pin.spki_sha256_hex(), want);
+        assert!(d.contains(&want), "{d}");
+    }
 }

@@ -362,6 +362,12 @@ mod tests {
             (vec![P::ClientAuth, P::CodeSigning], "outside the profile"),
             (vec![P::ClientAuth, P::Any], "outside the profile"),
             (
+                vec![P::ClientAuth, P::EmailProtection],
+                "outside the profile",
+            ),
+            (vec![P::ClientAuth, P::TimeStamping], "outside the profile"),
+            (vec![P::ClientAuth, P::OcspSigning], "outside the profile"),
+            (
                 vec![P::ClientAuth, P::Other(vec![1, 3, 6, 1, 4, 1, 99999, 1])],
                 "outside the profile",
             ),
@@ -491,6 +497,30 @@ mod tests {
             let e = verify(&der, pin(), public, &ident, now).unwrap_err();
             assert!(e.contains(want), "{want}: {e}");
         }
+    }
+
+    #[test]
+    fn the_validity_window_holds_to_the_second() {
+        let key = P256Key::generate("test").unwrap();
+        let me = id(1);
+        let der = cert(&key, &[me.uri()], 3600, 7200, false);
+        let (_, c) = X509Certificate::from_der(&der).unwrap();
+        let not_before = c.validity().not_before.timestamp() as u64;
+        let not_after = c.validity().not_after.timestamp() as u64;
+        let at = |s: u64| {
+            let now = UNIX_EPOCH + Duration::from_secs(s);
+            verify(&der, pin(), key.public_sec1(), &me, now)
+        };
+        let skew = CLOCK_SKEW.as_secs();
+        // A guest clock exactly the tolerance behind notBefore is accepted; one second
+        // more is not.
+        at(not_before - skew).unwrap();
+        let e = at(not_before - skew - 1).unwrap_err();
+        assert!(e.contains("not valid yet"), "{e}");
+        // Valid through the second before notAfter; at notAfter it has expired.
+        at(not_after - 1).unwrap();
+        let e = at(not_after).unwrap_err();
+        assert!(e.contains("expired"), "{e}");
     }
 
     #[test]

@@ -151,9 +151,7 @@ pub(crate) async fn dial(target: &Endpoint, policy: &DialPolicy) -> Result<Conn,
         let remaining = deadline.saturating_duration_since(Instant::now());
         let error = match tokio::time::timeout(remaining, target.connect()).await {
             Ok(Ok(conn)) => {
-                if attempt > 1 {
-                    debug!("reached {target} at attempt {attempt}");
-                }
+                debug!("reached {target} at attempt {attempt}");
                 return Ok(conn);
             }
             Ok(Err(e)) => e,
@@ -248,6 +246,103 @@ mod tests {
                 assert!(j >= b / 2 && j <= b, "{j:?} for {b:?}");
             }
         }
+    }
+
+    #[test]
+    fn jitter_spreads_over_the_whole_range() {
+        // The smallest span: both ends, b/2 and b, must come up (each with probability
+        // 1/2 per draw; missing one in 200 draws has probability 2^-199).
+        let b = Duration::from_micros(2);
+        let seen: std::collections::BTreeSet<Duration> = (0..200).map(|_| jitter(b)).collect();
+        assert_eq!(
+            seen.into_iter().collect::<Vec<_>>(),
+            [Duration::from_micros(1), b]
+        );
+        // A wide span: connections refused at once do not retry in lock step.
+        let b = Duration::from_secs(1);
+        let seen: std::collections::BTreeSet<Duration> = (0..20).map(|_| jitter(b)).collect();
+        assert!(seen.len() > 1, "every wait was {seen:?}");
+    }
+
+    #[test]
+    fn each_policy_field_is_checked_at_its_bounds() {
+        let with = |f: fn(&mut DialPolicy)| {
+            let mut p = DialPolicy::default();
+            f(&mut p);
+            p.check("services[0].dial").map_err(|e| e.to_string())
+        };
+        // The extremes of every range are accepted.
+        for ok in [
+            with(|p| p.attempts = 1),
+            with(|p| p.attempts = 1000),
+            with(|p| {
+                p.backoff_initial_ms = 1;
+                p.backoff_max_ms = 1;
+            }),
+            with(|p| {
+                p.backoff_initial_ms = 60_000;
+                p.backoff_max_ms = 60_000;
+            }),
+            with(|p| p.timeout_ms = 1),
+            with(|p| p.timeout_ms = 600_000),
+        ] {
+            assert_eq!(ok, Ok(()));
+        }
+        // One past each end is refused, naming the field.
+        type Edit = fn(&mut DialPolicy);
+        let refused: [(Edit, &str); 8] = [
+            (|p| p.attempts = 0, "attempts"),
+            (|p| p.attempts = 1001, "attempts"),
+            (|p| p.backoff_initial_ms = 0, "backoff_initial_ms"),
+            (
+                |p| {
+                    p.backoff_initial_ms = 60_001;
+                    p.backoff_max_ms = 60_001;
+                },
+                "backoff_initial_ms",
+            ),
+            (
+                |p| p.backoff_max_ms = p.backoff_initial_ms - 1,
+                "backoff_max_ms",
+            ),
+            (|p| p.backoff_max_ms = 60_001, "backoff_max_ms"),
+            (|p| p.timeout_ms = 0, "timeout_ms"),
+            (|p| p.timeout_ms = 600_001, "timeout_ms"),
+        ];
+        for (f, field) in refused {
+            let e = with(f).unwrap_err();
+            assert!(
+                e.starts_with(&format!("services[0].dial.{field}")),
+                "{field}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn suppressed_lines_are_counted_in_the_next_line() {
+        assert_eq!(suppressed_note(0), "");
+        assert_eq!(suppressed_note(3), " (3 similar lines suppressed)");
+    }
+
+    #[tokio::test]
+    async fn the_backoff_grows_so_a_dead_target_costs_few_attempts() {
+        // 1000 attempts allowed within 1 s: with waits doubling from 1 ms, even the
+        // shortest draws (half of each) before the 12th attempt add up to
+        // 0.5 + 1 + 2 + ... + 512 = 1023.5 ms, so the time bound ends the dial at the
+        // 12th attempt at the latest (one attempt may fall on the deadline itself). A
+        // backoff that does not grow would make hundreds. A slow machine makes fewer.
+        let dir = tempfile::tempdir().unwrap();
+        let policy = DialPolicy {
+            attempts: 1000,
+            backoff_initial_ms: 1,
+            backoff_max_ms: 60_000,
+            timeout_ms: 1000,
+        };
+        let f = dial(&Endpoint::Unix(dir.path().join("none")), &policy)
+            .await
+            .unwrap_err();
+        assert!(f.attempts <= 12, "{} attempts", f.attempts);
+        assert!(f.attempts >= 2, "the dead target was not retried");
     }
 
     #[test]

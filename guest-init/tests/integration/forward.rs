@@ -397,3 +397,39 @@ async fn exports_forward_host_connections_to_guest_unix_and_tcp_services() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_forwarders_stops_every_listener() {
+    // An export listening on TCP: no socket file, so only stopping the accept loop (and
+    // with it the listening socket) can end it.
+    let dir = tempfile::tempdir().unwrap();
+    let target = unix(&dir.path().join("guest-svc.sock"));
+    spawn_echo_server(&target);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let listen = Endpoint::Tcp(port);
+    let exports = [ExportSpec {
+        name: "admin".into(),
+        listen: listen.clone(),
+        target,
+        dial: DialPolicy::default(),
+    }];
+    let fwd = forward::start(&[], &exports).await.unwrap();
+    drop(listen.connect().await.unwrap());
+    drop(fwd);
+    // The aborted loop drops its listener on its next turn of the runtime.
+    let mut refused = false;
+    for _ in 0..100 {
+        if std::net::TcpStream::connect(port).is_err() {
+            refused = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        refused,
+        "{port} still accepts connections after the forwarders were dropped"
+    );
+}

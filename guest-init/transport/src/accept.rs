@@ -221,4 +221,151 @@ mod tests {
             BACKOFF_MAX
         );
     }
+
+    #[tokio::test]
+    async fn every_queued_connection_is_handed_over_with_a_reserve() {
+        let dir = tempfile::tempdir().unwrap();
+        let ep = crate::Endpoint::Unix(dir.path().join("s"));
+        let listener = ep.listen().unwrap();
+        // More than one batch, all queued before the loop runs.
+        let n = BATCH * 2 + 1;
+        let clients: Vec<_> = (0..n)
+            .map(|_| std::os::unix::net::UnixStream::connect(dir.path().join("s")).unwrap())
+            .collect();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let opts = Options { reserve: true };
+        let on_accept = move |a: Accepted| {
+            let _ = tx.send(a.reserve.is_some());
+        };
+        let on_error = |e: &io::Error, _: Failure, _: Duration| panic!("accept failed: {e}");
+        let loop_ = tokio::spawn(async move { run(&listener, opts, on_accept, on_error).await });
+        for i in 0..n {
+            let reserved = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+                .await
+                .unwrap_or_else(|_| panic!("connection {i} of {n} never handed over"))
+                .unwrap();
+            assert!(
+                reserved,
+                "connection {i} came without a reserved descriptor"
+            );
+        }
+        loop_.abort();
+        drop(clients);
+    }
+
+    /// A burst is drained a batch at a time: each wake-up takes up to [`BATCH`] queued
+    /// connections, then the loop lets other work run. An observer polled between the
+    /// loop's turns sees the count grow by whole batches.
+    #[test]
+    fn a_burst_is_taken_in_batches_between_which_other_tasks_run() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("s");
+            let listener = crate::Endpoint::Unix(path.clone()).listen().unwrap();
+            let n = BATCH * 3;
+            let clients: Vec<_> = (0..n)
+                .map(|_| std::os::unix::net::UnixStream::connect(&path).unwrap())
+                .collect();
+            let count = std::rc::Rc::new(std::cell::Cell::new(0));
+            let c = std::rc::Rc::clone(&count);
+            let on_accept = move |_: Accepted| c.set(c.get() + 1);
+            let on_error = |e: &io::Error, _: Failure, _: Duration| panic!("accept failed: {e}");
+            let accepting = run(&listener, Options::default(), on_accept, on_error);
+            let observing = async {
+                let mut seen = Vec::new();
+                while count.get() < n {
+                    if seen.last() != Some(&count.get()) {
+                        seen.push(count.get());
+                    }
+                    tokio::task::yield_now().await;
+                }
+                seen
+            };
+            // Polled in this order on every wake-up: the observer, then one turn of the loop.
+            let seen = tokio::select! {
+                biased;
+                seen = observing => seen,
+                () = accepting => unreachable!("the accept loop ended"),
+            };
+            assert_eq!(seen, [0, BATCH, 2 * BATCH], "counts seen between turns");
+            drop(clients);
+        });
+    }
+
+    /// The name of the test below, which re-runs this test binary as its child.
+    const EXHAUSTION_TEST: &str = "accept::tests::out_of_descriptors_the_loop_waits_doubling";
+
+    /// Out of descriptors, the loop neither spins nor gives up: each failure is reported
+    /// with a pause that doubles from [`BACKOFF_MIN`] to [`BACKOFF_MAX`], and the loop
+    /// sleeps it. Runs in a child process (its own descriptor limit) on a paused clock, so
+    /// the pauses pass in virtual time.
+    #[test]
+    fn out_of_descriptors_the_loop_waits_doubling() {
+        if std::env::var_os("VM_TRANSPORT_EXHAUSTION_CHILD").is_some() {
+            return exhaustion_child();
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                EXHAUSTION_TEST,
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("VM_TRANSPORT_EXHAUSTION_CHILD", "1")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stdout}\n{stderr}");
+        assert!(
+            stdout.contains("1 passed"),
+            "the child ran nothing: {stdout}"
+        );
+    }
+
+    fn exhaustion_child() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .start_paused(true)
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let listener = crate::Endpoint::Unix(dir.path().join("s"))
+                .listen()
+                .unwrap();
+            // Use up every descriptor the limit allows: the reserve cannot be opened.
+            let (_, hard) =
+                nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE).unwrap();
+            nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE, 64, hard)
+                .unwrap();
+            let mut hold = Vec::new();
+            while let Ok(fd) = nix::unistd::dup(std::io::stderr()) {
+                hold.push(fd);
+            }
+            let mut seen = Vec::new();
+            let on_error = |e: &io::Error, class: Failure, pause: Duration| {
+                assert_eq!(e.raw_os_error(), Some(libc::EMFILE), "{e}");
+                seen.push((class, pause));
+            };
+            let opts = Options { reserve: true };
+            let virtual_time = Duration::from_secs(3);
+            let _ =
+                tokio::time::timeout(virtual_time, run(&listener, opts, |_| {}, on_error)).await;
+            let pauses: Vec<u128> = seen.iter().map(|(_, p)| p.as_millis()).collect();
+            assert!(
+                seen.iter().all(|(c, _)| *c == Failure::Exhausted),
+                "{seen:?}"
+            );
+            // 5 + 10 + ... + 320 + 500 + 500 + ... ms fill the 3 s of virtual time.
+            assert_eq!(
+                pauses,
+                [5, 10, 20, 40, 80, 160, 320, 500, 500, 500, 500, 500]
+            );
+        });
+    }
 }

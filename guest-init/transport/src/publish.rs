@@ -83,6 +83,12 @@ pub enum PublishError {
         /// The path.
         path: PathBuf,
     },
+    /// Something was created at the path while the socket was being published.
+    #[error("{}: something else created a file there while this socket was being published; refusing to replace it (find out what else uses the path)", path.display())]
+    Appeared {
+        /// The path.
+        path: PathBuf,
+    },
     /// The path cannot name a socket.
     #[error("{}: {reason}", path.display())]
     BadPath {
@@ -242,20 +248,8 @@ pub fn publish(
         Ok(()) => {}
         Err(Errno::EEXIST) => {
             // Something appeared at the path after it was cleared: not ours to replace.
-            let what = stat_at(&parent, name)
-                .ok()
-                .flatten()
-                .map(|s| kind_of(&s))
-                .unwrap_or("a file");
-            return Err(if what == "a socket" {
-                PublishError::Live {
-                    path: path.to_path_buf(),
-                }
-            } else {
-                PublishError::InTheWay {
-                    path: path.to_path_buf(),
-                    what,
-                }
+            return Err(PublishError::Appeared {
+                path: path.to_path_buf(),
             });
         }
         Err(e) => return Err(PublishError::io(path, "move the socket into place", e)),
@@ -325,6 +319,7 @@ fn clear_stale(parent: &OwnedFd, name: &OsStr, path: &Path) -> Result<(), Publis
             path: path.to_path_buf(),
         });
     }
+    neighbour("judged stale", path);
     // Unlink only the inode just inspected: another stale or live socket that replaced it
     // meanwhile would make the final rename refuse instead.
     match stat_at(parent, name) {
@@ -393,6 +388,7 @@ impl PrivateDir {
                 )),
             }
             let path = parent_path.join(&tmp);
+            neighbour("made the private directory", &path);
             let opened = openat(
                 &parent,
                 tmp.as_os_str(),
@@ -411,7 +407,7 @@ impl PrivateDir {
             // The directory behind the descriptor must be the one just made: ours, 0700.
             let st = fstat(dir.fd.as_fd())
                 .map_err(|e| PublishError::io(&dir.path, "inspect the private directory", e))?;
-            if st.st_uid != Uid::effective().as_raw() || st.st_mode & 0o7777 != 0o700 {
+            if !is_private(st.st_uid, st.st_mode, Uid::effective().as_raw()) {
                 return Err(PublishError::io(
                     &dir.path,
                     "trust the private directory",
@@ -448,6 +444,7 @@ impl PrivateDir {
 impl Drop for PrivateDir {
     fn drop(&mut self) {
         let _ = unlinkat(&self.fd, Self::ENTRY, UnlinkatFlags::NoRemoveDir);
+        neighbour("removing the private directory", &self.path);
         // Remove the directory only if its name still names it.
         if let (Ok(mine), Ok(Some(now))) =
             (fstat(self.fd.as_fd()), stat_at(&self.parent, &self.name))
@@ -461,6 +458,13 @@ impl Drop for PrivateDir {
             }
         }
     }
+}
+
+/// Whether a directory with this owner and mode is private to `euid`: its owner, and mode
+/// exactly 0700 (anything else is not the directory just made with 0700, or was opened to
+/// others).
+fn is_private(owner: u32, mode: u32, euid: u32) -> bool {
+    owner == euid && mode & 0o7777 == 0o700
 }
 
 /// Binds a socket inside the private directory and gives it its mode and owner there.
@@ -501,14 +505,18 @@ fn make_parents(dir: &Path) -> Result<(), PublishError> {
         .take_while(|d| std::fs::symlink_metadata(d).is_err())
         .collect();
     for d in missing.into_iter().rev() {
+        neighbour("making a parent", d);
         match std::fs::DirBuilder::new().mode(0o755).create(d) {
             // Exactly 0755 whatever the umask, set through a descriptor opened without
             // following a link, so a swapped-in symlink cannot redirect the chmod.
-            Ok(()) => std::fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
-                .open(d)
-                .and_then(|f| f.set_permissions(std::fs::Permissions::from_mode(0o755))),
+            Ok(()) => {
+                neighbour("made a parent", d);
+                std::fs::OpenOptions::new()
+                    .read(true)
+                    .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+                    .open(d)
+                    .and_then(|f| f.set_permissions(std::fs::Permissions::from_mode(0o755)))
+            }
             // Someone else made it meanwhile: theirs to keep as it is.
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
             Err(e) => Err(e),
@@ -516,4 +524,40 @@ fn make_parents(dir: &Path) -> Result<(), PublishError> {
         .map_err(|e| PublishError::io(d, "create the parent directory", e))?;
     }
     Ok(())
+}
+
+/// A point in [`publish`] where a neighbour could swap files under us. In unit tests a
+/// hook stands in for that neighbour, deterministically, at exactly that point (the races
+/// no test could otherwise schedule; `publish/races.rs`). Nothing in a normal build.
+fn neighbour(_point: &'static str, _path: &Path) {
+    #[cfg(test)]
+    races::NEIGHBOUR.with(|h| {
+        if let Some(f) = h.borrow_mut().as_mut() {
+            f(_point, _path);
+        }
+    });
+}
+
+#[cfg(test)]
+mod races;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_our_own_0700_directory_is_private() {
+        const DIR: u32 = 0o040_000;
+        assert!(is_private(1000, DIR | 0o700, 1000));
+        assert!(!is_private(1001, DIR | 0o700, 1000), "someone else's");
+        assert!(
+            !is_private(0, DIR | 0o700, 1000),
+            "root's, seen by a non-root publisher"
+        );
+        for mode in [
+            0o701, 0o710, 0o750, 0o755, 0o777, 0o600, 0o500, 0o1700, 0o2700,
+        ] {
+            assert!(!is_private(1000, DIR | mode, 1000), "{mode:o}");
+        }
+    }
 }

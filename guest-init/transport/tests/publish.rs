@@ -218,3 +218,129 @@ fn a_symlink_swapped_in_during_publishing_never_redirects_owner_or_mode() {
         leftovers(dir.path())
     );
 }
+
+/// Every descriptor a publish leaves open (the listener, the directory handle the socket
+/// file keeps for its removal) is close-on-exec: a program the process starts, the app
+/// included, must not inherit a handle on the socket's directory or the listener.
+#[test]
+fn no_descriptor_is_inherited_by_a_program_started_later() {
+    use std::os::fd::AsRawFd;
+    let dir = tempfile::tempdir().unwrap();
+    let p = publish(&dir.path().join("s"), access(0o600), true).unwrap();
+    // The directory handle: found by what it names (other tests open descriptors too).
+    let canonical = dir.path().canonicalize().unwrap();
+    let handles: Vec<i32> = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| {
+            let e = e.ok()?;
+            let fd: i32 = e.file_name().to_str()?.parse().ok()?;
+            (std::fs::read_link(e.path()).ok()? == canonical).then_some(fd)
+        })
+        .collect();
+    assert!(
+        !handles.is_empty(),
+        "no descriptor names {}",
+        canonical.display()
+    );
+    for fd in handles.into_iter().chain([p.fd.as_raw_fd()]) {
+        // SAFETY: F_GETFD only reads a descriptor's flags.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+        assert!(flags >= 0, "descriptor {fd}");
+        assert_ne!(
+            flags & libc::FD_CLOEXEC,
+            0,
+            "descriptor {fd} lacks FD_CLOEXEC"
+        );
+    }
+    drop(p);
+}
+
+/// The directory is held by a handle opened as a directory (`O_DIRECTORY`): a parent that
+/// is a file fails right there, saying so, before anything is inspected or created.
+#[test]
+fn a_parent_that_is_not_a_directory_is_refused_when_opened() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("file");
+    std::fs::write(&file, b"").unwrap();
+    let e = publish(&file.join("s"), access(0o600), false).unwrap_err();
+    assert!(e.to_string().contains("cannot open the directory"), "{e}");
+    assert_eq!(std::fs::read(&file).unwrap(), b"");
+}
+
+/// Only a group (the usual way to let one service's users in): the group is set, the
+/// owner stays the publisher.
+#[test]
+fn a_group_alone_is_set() {
+    if !is_root() {
+        eprintln!("skipped: setting another group needs root");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s");
+    let mut a = access(0o660);
+    a.gid = Some(NOBODY);
+    let p = publish(&path, a, false).unwrap();
+    let m = std::fs::symlink_metadata(&path).unwrap();
+    assert_eq!((m.uid(), m.gid()), (0, NOBODY));
+    drop(p);
+}
+
+/// A parent that cannot be made (here: below a regular file) fails where it is made,
+/// naming it.
+#[test]
+fn a_parent_that_cannot_be_made_is_an_error_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("file");
+    std::fs::write(&file, b"").unwrap();
+    let e = publish(&file.join("a/s"), access(0o600), true).unwrap_err();
+    let msg = e.to_string();
+    assert!(msg.contains("cannot create the parent directory"), "{msg}");
+    assert!(msg.contains("file/a"), "{msg}");
+}
+
+/// A live service too busy to take another connection (its backlog full) is still live:
+/// the probe never waits for it, and publishing refuses.
+#[test]
+fn a_live_socket_with_a_full_backlog_is_refused_without_waiting() {
+    use std::os::fd::AsRawFd;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s");
+    // A listener with the smallest backlog that never accepts, filled up.
+    let fd = nix::sys::socket::socket(
+        nix::sys::socket::AddressFamily::Unix,
+        nix::sys::socket::SockType::Stream,
+        nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .unwrap();
+    let addr = nix::sys::socket::UnixAddr::new(&path).unwrap();
+    nix::sys::socket::bind(fd.as_raw_fd(), &addr).unwrap();
+    nix::sys::socket::listen(&fd, nix::sys::socket::Backlog::new(0).unwrap()).unwrap();
+    let mut queued = Vec::new();
+    loop {
+        let c = nix::sys::socket::socket(
+            nix::sys::socket::AddressFamily::Unix,
+            nix::sys::socket::SockType::Stream,
+            nix::sys::socket::SockFlag::SOCK_NONBLOCK | nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .unwrap();
+        match nix::sys::socket::connect(c.as_raw_fd(), &addr) {
+            Ok(()) => queued.push(c),
+            Err(nix::errno::Errno::EAGAIN) => break,
+            Err(e) => panic!("filling the backlog: {e}"),
+        }
+        assert!(queued.len() < 64, "the backlog never filled");
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    let p = path.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send(publish(&p, access(0o600), false).map(drop));
+    });
+    let result = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("publishing waited on a busy live socket");
+    let err = result.unwrap_err();
+    assert!(matches!(err, PublishError::Live { .. }), "{err}");
+    drop(queued);
+}

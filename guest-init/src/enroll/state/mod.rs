@@ -62,7 +62,7 @@
 
 use std::fs::OpenOptions;
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -76,6 +76,8 @@ use super::{files, verify, EnrollError};
 use vm_transport::vsock::VMADDR_CID_HOST;
 use vm_transport::Endpoint;
 
+#[cfg(test)]
+mod scenarios;
 mod store;
 use store::{EnrolledRecord, PendingRecord};
 
@@ -498,18 +500,13 @@ impl Enroller<'_> {
     }
 }
 
-/// The path of the published certificate for a publish directory.
-pub fn published_cert(publish_dir: &Path) -> PathBuf {
-    publish_dir.join(PUBLISHED_CERT)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::enroll::file_store::FileKeyStore;
     use std::os::unix::fs::PermissionsExt;
 
-    fn enroller<'a>(dir: &Path, store: &'a dyn KeyStore) -> Enroller<'a> {
+    fn enroller<'a>(dir: &std::path::Path, store: &'a dyn KeyStore) -> Enroller<'a> {
         Enroller {
             state_dir: dir.to_path_buf(),
             publish_dir: dir.with_extension("publish"),
@@ -548,10 +545,21 @@ mod tests {
         )
         .unwrap();
 
-        // Readable records: only the leftover goes.
+        // A CSR whose key is already gone (a crash between the two removals), and a file
+        // that is not a slot's.
+        let orphan = "0123456789abcdef.csr";
+        std::fs::write(dir.join(orphan), b"csr").unwrap();
+        std::fs::write(dir.join("notaslot.csr"), b"mine").unwrap();
+
+        // Readable records: only the leftovers go.
         e.collect_garbage();
         assert!(store.open(&live).unwrap().is_some());
         assert!(store.open(&leftover).unwrap().is_none());
+        assert!(!dir.join(orphan).exists(), "an orphaned CSR was kept");
+        assert!(
+            dir.join("notaslot.csr").exists(),
+            "a file that is no slot's was removed"
+        );
 
         // The enrolled record cannot be read (here: its mode was loosened, which the
         // private read refuses): doubt, so nothing is removed, the live key least of all.
