@@ -21,9 +21,12 @@
 //!   button (`KEY_POWER` through evdev) as another way to ask for the orderly end.
 //! - [`panic`]: a panic in PID 1 becomes a logged, orderly power-off.
 //! - [`enroll`]: the VM's key and certificate through bootstrap-token enrollment.
+//! - [`agent`]: the authenticated management channel (mutual TLS 1.3 with the enrolled
+//!   certificate and the pinned management CA): `status`, `stop`, `exec`.
 
 pub mod log;
 
+pub mod agent;
 pub mod app;
 pub mod boot;
 pub mod config;

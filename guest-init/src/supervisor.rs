@@ -99,6 +99,8 @@ pub fn reap(app: Option<Pid>) -> Reaped {
         };
         if Some(pid) == app {
             r.app = Some(exit);
+        } else if crate::agent::jobs::reaped(pid, exit) {
+            debug!("reaped agent job pid={pid}");
         } else {
             r.orphans += 1;
             match exit {
@@ -162,6 +164,8 @@ fn backoff(cfg: &crate::config::RestartConfig, restart_no: u32) -> Duration {
 struct Keep {
     _forwarders: Option<crate::forward::Forwarders>,
     _control: Option<tokio::task::JoinHandle<()>>,
+    _agent: Option<tokio::task::JoinHandle<()>>,
+    _reenroll: Option<tokio::task::JoinHandle<()>>,
 }
 
 /// Runs the VM's whole life: start-up, supervision and the orderly shutdown. `started` is
@@ -182,7 +186,7 @@ async fn live(cfg: &Config, started: Instant, keep: &mut Keep) -> Reason {
     };
     let (stop_tx, mut stop_rx) = mpsc::unbounded_channel();
     if let Some(c) = &cfg.control {
-        match crate::control::start(&c.listen, stop_tx) {
+        match crate::control::start(&c.listen, stop_tx.clone()) {
             Ok(h) => keep._control = Some(h),
             Err(e) => return fatal(format_args!("control.listen: {e}")),
         }
@@ -205,6 +209,19 @@ async fn live(cfg: &Config, started: Instant, keep: &mut Keep) -> Reason {
     if let Some(en) = &cfg.enrollment {
         if let Err(e) = crate::enroll::boot_step(en).await {
             return fatal(format_args!("enrollment: {e}"));
+        }
+        let mut agent = None;
+        if let Some(a) = &cfg.agent {
+            match start_agent(a, en, started, stop_tx.clone()) {
+                Ok((task, handle)) => {
+                    keep._agent = Some(task);
+                    agent = Some(handle);
+                }
+                Err(e) => return fatal(e),
+            }
+        }
+        if matches!(en.bootstrap, crate::enroll::BootstrapSource::Push { .. }) {
+            keep._reenroll = Some(tokio::spawn(reenroll_on_push(en.clone(), agent)));
         }
     }
     let spec = match AppSpec::from_config(&cfg.app) {
@@ -287,6 +304,44 @@ async fn live(cfg: &Config, started: Instant, keep: &mut Keep) -> Reason {
                     }
                     Err(e) => return fatal(format_args!("app: restart: {e}")),
                 }
+            }
+        }
+    }
+}
+
+/// Starts the agent with the credentials enrollment left in force.
+fn start_agent(
+    cfg: &crate::agent::AgentConfig,
+    en: &crate::enroll::EnrollConfig,
+    started: Instant,
+    stop: mpsc::UnboundedSender<()>,
+) -> Result<(tokio::task::JoinHandle<()>, crate::agent::Handle), String> {
+    let c = crate::enroll::credentials(en).map_err(|e| format!("agent: {e}"))?;
+    let ctx = crate::agent::Context {
+        ca: c.ca.clone(),
+        served: crate::agent::Served::from_credentials(c),
+        started,
+        stop,
+        exec_users: cfg.exec_users.clone(),
+    };
+    crate::agent::start(cfg, ctx).map_err(|e| e.to_string())
+}
+
+/// With a push source, enrollment goes on after boot: each pushed document is enrolled,
+/// and when it changes the identity (a raised epoch: a new key and certificate) the agent
+/// rotates to it. A refused document changes nothing.
+async fn reenroll_on_push(en: crate::enroll::EnrollConfig, agent: Option<crate::agent::Handle>) {
+    loop {
+        match crate::enroll::next_push(&en).await {
+            Ok(Some(c)) => {
+                if let Some(a) = &agent {
+                    a.rotate(crate::agent::Served::from_credentials(c)).await;
+                }
+            }
+            Ok(None) => {}
+            Err(e) => {
+                warn!("enroll: pushed material not enrolled ({e}); the current identity stays");
+                tokio::time::sleep(Duration::from_secs(1)).await;
             }
         }
     }

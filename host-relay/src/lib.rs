@@ -15,9 +15,11 @@
 //! One process serves one app, all its services as tasks of one runtime ([`serve`]
 //! explains why). The host-initiated direction (`CONNECT <port>`) is
 //! `vm_transport::hybrid`; the socket plumbing is shared with guest-init through `vm-transport`.
-//! Configuration: [`config`] and `docs/RELAY.md`.
+//! Configuration: [`config`] and `docs/RELAY.md`. [`agent_client`] is the operator's
+//! client for a guest's authenticated agent (`docs/AGENT.md`).
 
 pub mod admission;
+pub mod agent_client;
 pub mod config;
 pub mod dovecot;
 pub mod listen;

@@ -1,4 +1,5 @@
-//! The `host-relay` command: `run`, `check-config` and `connect` (see `docs/RELAY.md`).
+//! The `host-relay` command: `run`, `check-config`, `connect` (see `docs/RELAY.md`) and
+//! `agent` (the operator's client for a guest's agent, `docs/AGENT.md`).
 //!
 //! `run` does its work in a fixed order, because the order is the security design:
 //! 1. read and validate the configuration (nothing is touched on error);
@@ -53,6 +54,60 @@ enum Cmd {
         #[arg(long, default_value_t = 10_000)]
         timeout_ms: u64,
     },
+    /// Send one request to a guest's agent over mutual TLS; print the JSON answer.
+    /// Exit 0 for an ok answer, 1 for an error answer, 2 when there is no answer (the
+    /// guest was refused by the peer-authorizer, refused us, or cannot be reached).
+    Agent(AgentArgs),
+}
+
+#[derive(clap::Args)]
+struct AgentArgs {
+    /// The VMM's hybrid vsock Unix socket (with --port).
+    #[arg(long, conflicts_with_all = ["cid", "unix"])]
+    uds: Option<PathBuf>,
+    /// The guest's CID under kernel vhost-vsock (with --port).
+    #[arg(long, conflicts_with = "unix")]
+    cid: Option<u32>,
+    /// The agent's vsock port.
+    #[arg(long)]
+    port: Option<u32>,
+    /// A Unix socket the agent listens on (tests).
+    #[arg(long)]
+    unix: Option<PathBuf>,
+    /// The operator's certificate (PEM).
+    #[arg(long)]
+    cert: PathBuf,
+    /// The operator's private key (PEM, PKCS#8).
+    #[arg(long)]
+    key: PathBuf,
+    /// The management CA certificate (PEM).
+    #[arg(long)]
+    ca: PathBuf,
+    /// The current-identity file, read on every handshake.
+    #[arg(long)]
+    current_identity: PathBuf,
+    #[command(subcommand)]
+    op: AgentOp,
+}
+
+#[derive(Subcommand)]
+enum AgentOp {
+    /// Identity, epoch, certificate expiry, app state, uptime.
+    Status,
+    /// The orderly shutdown.
+    Stop,
+    /// Run a command as a user the guest lists.
+    Exec {
+        /// The user to run as.
+        #[arg(long)]
+        user: String,
+        /// Deadline in milliseconds (the guest's default is 20000).
+        #[arg(long)]
+        deadline_ms: Option<u64>,
+        /// The command (absolute path) and its arguments.
+        #[arg(last = true, required = true)]
+        argv: Vec<String>,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -82,6 +137,67 @@ fn main() -> anyhow::Result<()> {
             port,
             timeout_ms,
         } => connect(uds, port, timeout_ms),
+        Cmd::Agent(args) => std::process::exit(agent(args)),
+    }
+}
+
+fn agent(a: AgentArgs) -> i32 {
+    use host_relay::agent_client::{Client, Target};
+    let target = match (a.uds, a.cid, a.port, a.unix) {
+        (Some(uds), None, Some(port), None) => Target::Hybrid(uds, port),
+        (None, Some(cid), Some(port), None) => {
+            Target::Endpoint(vm_transport::Endpoint::Vsock { cid, port })
+        }
+        (None, None, None, Some(path)) => Target::Endpoint(vm_transport::Endpoint::Unix(path)),
+        _ => {
+            eprintln!("error: give --uds PATH --port N, --cid N --port N, or --unix PATH");
+            return 2;
+        }
+    };
+    let request = match a.op {
+        AgentOp::Status => serde_json::json!({"v": 1, "op": "status"}),
+        AgentOp::Stop => serde_json::json!({"v": 1, "op": "stop"}),
+        AgentOp::Exec {
+            user,
+            deadline_ms,
+            argv,
+        } => {
+            let mut r = serde_json::json!({"v": 1, "op": "exec", "user": user, "argv": argv});
+            if let Some(d) = deadline_ms {
+                r["deadline_ms"] = d.into();
+            }
+            r
+        }
+    };
+    let client = match Client::from_files(&a.cert, &a.key, &a.ca, &a.current_identity) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 2;
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return 2;
+        }
+    };
+    match rt.block_on(client.call(&target, &request.to_string())) {
+        Ok(answer) => {
+            println!("{answer}");
+            match serde_json::from_str::<serde_json::Value>(&answer) {
+                Ok(v) if v["status"] == "ok" => 0,
+                _ => 1,
+            }
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            2
+        }
     }
 }
 

@@ -124,6 +124,9 @@ pub struct Config {
     /// Enrollment for a key and certificate (`docs/ENROLLMENT.md`).
     #[serde(default)]
     pub enrollment: Option<EnrollConfig>,
+    /// The authenticated management channel (`docs/AGENT.md`); needs `enrollment`.
+    #[serde(default)]
+    pub agent: Option<crate::agent::AgentConfig>,
     /// Test hook: panic deliberately right after the ready line, to exercise the panic path.
     #[serde(default)]
     pub debug_panic_after_ready: bool,
@@ -275,6 +278,21 @@ impl Config {
         }
         if let Some(e) = &self.enrollment {
             crate::enroll::validate(e).map_err(|r| ConfigError::invalid("enrollment", r))?;
+        }
+        if let Some(a) = &self.agent {
+            crate::agent::validate(a).map_err(|r| ConfigError::invalid("agent", r))?;
+            if self.enrollment.is_none() {
+                return Err(ConfigError::invalid(
+                    "agent",
+                    "needs the enrollment section: the agent serves with the enrolled certificate and admits operators of the pinned management CA",
+                ));
+            }
+            if self.control.as_ref().is_some_and(|c| !c.with_agent) {
+                return Err(ConfigError::invalid(
+                    "control",
+                    "the unauthenticated control port is off once agent is configured; remove the section, or set control.with_agent: true to keep it (e.g. for the QEMU harness)",
+                ));
+            }
         }
         Ok(())
     }

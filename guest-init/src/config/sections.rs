@@ -193,6 +193,11 @@ fn default_max_backoff_ms() -> u64 {
 pub struct ControlConfig {
     /// Where the host's control connections arrive.
     pub listen: Endpoint,
+    /// Keep this unauthenticated port although the authenticated `agent` is configured
+    /// (the QEMU harness stops VMs through it). Without it, a configuration with both is
+    /// refused: the control port is off once the agent is on.
+    #[serde(default)]
+    pub with_agent: bool,
 }
 
 /// What the kernel is asked to do at the end.

@@ -113,6 +113,11 @@ impl ManagementCa {
         &self.der
     }
 
+    /// The CA's subject, DER (for a TLS certificate request's hint).
+    pub fn subject_der(&self) -> &[u8] {
+        &self.subject_raw
+    }
+
     /// The CA's subject, as text.
     pub fn subject(&self) -> &str {
         &self.subject

@@ -369,7 +369,7 @@ fn pinned_by_config(cfg: &EnrollConfig, m: &material::Material) -> Result<(), St
 }
 
 type RunFuture<'a> =
-    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Outcome, EnrollError>> + 'a>>;
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Outcome, EnrollError>> + Send + 'a>>;
 
 /// Opens the key store (and so the state directory) and runs `f` with an enroller. Only
 /// called once the material is known to be good: bad input writes nothing.
@@ -378,20 +378,43 @@ async fn with_store(
     discard_refused: bool,
     f: impl for<'a> FnOnce(&'a state::Enroller<'a>) -> RunFuture<'a>,
 ) -> Result<Outcome, EnrollError> {
-    let file_store;
-    let tpm_store;
-    let store: &dyn KeyStore = match cfg.key_store {
-        KeyStoreKind::File => {
-            file_store = file_store::FileKeyStore::open_dir(&cfg.state_dir)?;
-            &file_store
+    let store = OpenStore::open(cfg)?;
+    f(&enroller(cfg, store.get(), discard_refused)).await
+}
+
+/// The configured key store, opened.
+enum OpenStore {
+    File(file_store::FileKeyStore),
+    Memory(&'static memory_store::MemoryKeyStore),
+    Tpm(TpmStore),
+}
+
+impl OpenStore {
+    fn open(cfg: &EnrollConfig) -> Result<OpenStore, EnrollError> {
+        Ok(match cfg.key_store {
+            KeyStoreKind::File => {
+                OpenStore::File(file_store::FileKeyStore::open_dir(&cfg.state_dir)?)
+            }
+            KeyStoreKind::Memory => OpenStore::Memory(memory_store()?),
+            KeyStoreKind::Tpm => OpenStore::Tpm(open_tpm_store(&cfg.state_dir)?),
+        })
+    }
+
+    fn get(&self) -> &dyn KeyStore {
+        match self {
+            OpenStore::File(s) => s,
+            OpenStore::Memory(s) => *s,
+            OpenStore::Tpm(s) => s,
         }
-        KeyStoreKind::Memory => memory_store()?,
-        KeyStoreKind::Tpm => {
-            tpm_store = open_tpm_store(&cfg.state_dir)?;
-            &tpm_store
-        }
-    };
-    let enroller = state::Enroller {
+    }
+}
+
+fn enroller<'a>(
+    cfg: &EnrollConfig,
+    store: &'a dyn KeyStore,
+    discard_refused: bool,
+) -> state::Enroller<'a> {
+    state::Enroller {
         state_dir: cfg.state_dir.clone(),
         publish_dir: cfg.publish_dir.clone(),
         store,
@@ -399,8 +422,51 @@ async fn with_store(
         timeout: Duration::from_millis(cfg.timeout_ms),
         retry: cfg.retry.clone(),
         discard_refused,
+    }
+}
+
+/// The enrolled credentials the agent serves with.
+pub struct Credentials {
+    /// The identity in force.
+    pub identity: identity::Identity,
+    /// Its key, in the key store.
+    pub key: std::sync::Arc<dyn keystore::MachineKey>,
+    /// Its certificate (DER).
+    pub cert_der: Vec<u8>,
+    /// The management CA it was verified against.
+    pub ca: ca::ManagementCa,
+}
+
+/// The credentials in force after [`boot_step`] succeeded.
+pub fn credentials(cfg: &EnrollConfig) -> Result<Credentials, EnrollError> {
+    let store = OpenStore::open(cfg)?;
+    enroller(cfg, store.get(), false).credentials()
+}
+
+/// After boot, with a push source: waits for the next pushed document and enrolls it.
+/// `Ok(Some(..))` with the new credentials when it changed the identity (a higher epoch,
+/// a new key and certificate); `Ok(None)` when it was the identity already in force, or
+/// the document pins another CA than the image (logged, ignored). With a file source it
+/// never returns.
+pub async fn next_push(cfg: &EnrollConfig) -> Result<Option<Credentials>, EnrollError> {
+    let BootstrapSource::Push { listen } = &cfg.bootstrap else {
+        return std::future::pending().await;
     };
-    f(&enroller).await
+    crate::info!("enroll: listening for new bootstrap material on {listen}");
+    let material = material::receive_push(listen, Duration::from_millis(cfg.timeout_ms))
+        .await
+        .map_err(|e| EnrollError::State {
+            what: format!("listen for bootstrap material on {listen}"),
+            source: e,
+        })?;
+    if let Err(why) = pinned_by_config(cfg, &material) {
+        crate::warn!("enroll: the pushed bootstrap material was refused ({why})");
+        return Ok(None);
+    }
+    match with_store(cfg, true, |e| Box::pin(e.run(Some(material)))).await? {
+        Outcome::Enrolled { .. } => credentials(cfg).map(Some),
+        Outcome::AlreadyEnrolled { .. } => Ok(None),
+    }
 }
 
 /// The TPM store on `/dev/tpmrm0`. A VM without it is a configuration error naming
@@ -411,6 +477,12 @@ fn open_tpm_store(state_dir: &Path) -> Result<tpm::TpmKeyStore, EnrollError> {
     tpm::require_device(device).map_err(EnrollError::Config)?;
     Ok(tpm::TpmKeyStore::with_device(state_dir, device)?)
 }
+
+/// The TPM store's type; without the `tpm` feature a store that is never opened.
+#[cfg(feature = "tpm")]
+type TpmStore = tpm::TpmKeyStore;
+#[cfg(not(feature = "tpm"))]
+type TpmStore = file_store::FileKeyStore;
 
 /// Built without the `tpm` feature (only to measure its cost): the store is refused.
 #[cfg(not(feature = "tpm"))]

@@ -84,7 +84,7 @@ pub async fn receive_push(listen: &Endpoint, read_timeout: Duration) -> io::Resu
 /// Makes room for the push socket at `path`: nothing there is fine; a socket nobody
 /// listens on (left by an earlier run) is removed; anything else — a regular file, a
 /// directory, a symlink, a socket something still listens on — is refused, never removed.
-fn remove_stale_socket(path: &Path) -> io::Result<()> {
+pub(crate) fn remove_stale_socket(path: &Path) -> io::Result<()> {
     use std::os::unix::fs::FileTypeExt;
     let md = match std::fs::symlink_metadata(path) {
         Ok(md) => md,

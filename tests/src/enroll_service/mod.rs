@@ -211,6 +211,31 @@ impl EnrollService {
         })
     }
 
+    /// An operator client certificate for the agent, issued by this service's CA (the
+    /// management CA): one URI name `uri` (e.g. `urn:hop3:operator:alice:role:operator`),
+    /// `clientAuth`, valid from `from` to `to` seconds around now. Returns the certificate
+    /// and its private key (PKCS#8), both DER.
+    pub fn issue_operator(&self, uri: &str, from: i64, to: i64) -> (Vec<u8>, Vec<u8>) {
+        self.issue_with_usages(
+            uri,
+            from,
+            to,
+            vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth],
+        )
+    }
+
+    /// As [`EnrollService::issue_operator`], with these extended key usages instead of
+    /// `clientAuth` (a certificate for another purpose).
+    pub fn issue_with_usages(
+        &self,
+        uri: &str,
+        from: i64,
+        to: i64,
+        usages: Vec<rcgen::ExtendedKeyUsagePurpose>,
+    ) -> (Vec<u8>, Vec<u8>) {
+        issue_client(&self.inner.issuer, uri, from, to, usages)
+    }
+
     /// The service's current time (real time plus [`EnrollService::advance_clock`]).
     pub fn now(&self) -> u64 {
         self.inner.now()
@@ -355,6 +380,39 @@ impl EnrollService {
             .get(&hash)
             .and_then(|e| e.committed.as_ref().map(|c| c.cert.clone()))
     }
+}
+
+/// Signs a client certificate for a fresh P-256 key with `issuer`.
+fn issue_client(
+    issuer: &Issuer<'static, KeyPair>,
+    uri: &str,
+    from: i64,
+    to: i64,
+    usages: Vec<rcgen::ExtendedKeyUsagePurpose>,
+) -> (Vec<u8>, Vec<u8>) {
+    let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).expect("generate a key");
+    let mut p = CertificateParams::default();
+    p.distinguished_name.push(DnType::CommonName, "operator");
+    p.subject_alt_names = vec![rcgen::SanType::URI(
+        uri.to_owned().try_into().expect("an IA5 URI"),
+    )];
+    let at = |d: i64| {
+        let now = std::time::SystemTime::now();
+        if d >= 0 {
+            now + Duration::from_secs(d as u64)
+        } else {
+            now - Duration::from_secs(d.unsigned_abs())
+        }
+    };
+    p.not_before = at(from).into();
+    p.not_after = at(to).into();
+    p.is_ca = IsCa::ExplicitNoCa;
+    p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    p.extended_key_usages = usages;
+    let cert = p
+        .signed_by(&key, issuer)
+        .expect("sign the operator certificate");
+    (cert.der().to_vec(), key.serialize_der())
 }
 
 impl Drop for EnrollService {

@@ -8,6 +8,8 @@
 
 mod support;
 
+mod agent_e2e;
+mod agent_vm;
 mod bench_smoke;
 mod enroll_disk;
 mod enroll_e2e;

@@ -114,6 +114,23 @@ impl Enroller<'_> {
         })
     }
 
+    /// The credentials in force: the enrolled identity, its key, certificate and the CA
+    /// it was verified against. For the agent, after a successful run.
+    pub fn credentials(&self) -> Result<super::super::Credentials, EnrollError> {
+        let e: EnrolledRecord = self.read_record(ENROLLED)?.ok_or(EnrollError::NoMaterial)?;
+        let key = self.store.open(&e.slot)?.ok_or(EnrollError::KeyLost)?;
+        let cert_der = self.read_slot_file(&e.slot, "crt")?.ok_or_else(|| {
+            EnrollError::BadCertificate("the enrolled certificate file is missing".into())
+        })?;
+        let ca = self.recorded_ca(&e.slot)?;
+        Ok(super::super::Credentials {
+            identity: e.identity,
+            key,
+            cert_der,
+            ca,
+        })
+    }
+
     /// The confirmed epoch floor (`floor.json`), `None` before the first certificate.
     pub(super) fn floor(&self) -> Result<Option<u64>, EnrollError> {
         Ok(self.read_record::<FloorRecord>(FLOOR)?.map(|f| f.epoch))
