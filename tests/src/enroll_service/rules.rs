@@ -47,6 +47,7 @@ impl Inner {
             csr: None,
             code: None,
             cert: None,
+            renewal: false,
         };
         let resp = match line {
             Err(_) => Response::error(ErrorCode::Timeout, "no request line within 10 s"),
@@ -245,7 +246,7 @@ impl Inner {
     }
 
     /// Signs the certificate; returns it and its `notAfter` (Unix seconds).
-    fn issue(
+    pub(super) fn issue(
         &self,
         csr: CertificateSigningRequestParams,
         binding: &Identity,

@@ -598,7 +598,11 @@ fn an_epoch_raise_closes_the_old_connections_kills_their_jobs_and_swaps_the_cert
             .svc
             .register(token, &raised, Duration::from_secs(600))
             .unwrap();
-        g.push(&g.svc.material_json(token, &raised, expires, 5002).to_string());
+        g.push(
+            &g.svc
+                .material_json(token, &raised, expires, 5002)
+                .to_string(),
+        );
         g.wait_log(&format!("agent: serving as {} from now on", raised.uri()));
         (job.join().unwrap(), raised)
     });
