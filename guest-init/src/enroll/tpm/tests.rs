@@ -104,10 +104,7 @@ fn another_tpm_cannot_load_the_blob_and_says_so() {
     drop(tpm_a);
     let tpm_b = swtpm(&b).unwrap();
     let store = TpmKeyStore::with_connector(&dir, connector(&tpm_b)).unwrap();
-    let e = store
-        .open(&slot)
-        .err()
-        .expect("a foreign blob must not load");
+    let e = store.open(&slot).expect_err("a foreign blob must not load");
     let msg = e.to_string();
     assert!(msg.contains("another TPM"), "{msg}");
     assert!(msg.contains(&slot), "{msg}");
