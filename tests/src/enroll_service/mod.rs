@@ -32,6 +32,10 @@
 //!   committed certificates denies a new commit with `capacity_exhausted` (final); it never
 //!   evicts a credential to make room. Answering an identical CSR needs no room.
 //!
+//! - **Renewal** ([`renew`]): on the same per-VM socket, mutual TLS 1.3 with the enrolled
+//!   certificate; the current identity is checked on every renewal, and the CSR's key must
+//!   be the client certificate's.
+//!
 //! Test hooks: [`EnrollService::advance_clock`] moves the service's clock forward,
 //! [`EnrollService::stall_after_commit`] makes the next request stall after its commit and
 //! before its answer (a guest killed "between send and receive", or a reset during

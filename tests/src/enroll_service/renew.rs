@@ -171,12 +171,8 @@ impl Inner {
             return Response::error(ErrorCode::BadRequest, "csr is not base64");
         };
         record.csr = Some(csr_der.clone());
-        {
-            let mut fail = lock(&self.fail_next);
-            if fail.0 > 0 {
-                fail.0 -= 1;
-                return Response::error(fail.1, "test hook: try again");
-            }
+        if let Some(resp) = self.injected_failure() {
+            return resp;
         }
         let Ok((_, client)) = X509Certificate::from_der(peer) else {
             return Response::error(ErrorCode::BadRequest, "client certificate unreadable");
