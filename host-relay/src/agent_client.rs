@@ -15,6 +15,9 @@
 //!    A file that cannot be read or parsed fails closed: no handshake, no request;
 //! 3. it signed the handshake with that certificate's key (rustls, ring).
 //!
+//! Session resumption is off: a resumed TLS 1.3 session skips certificate verification,
+//! which would let a guest whose epoch was raised since the first handshake through.
+//!
 //! Seed 000's rule is what this enforces: a certificate signature is not authorization to
 //! an old generation. A guest still holding a certificate for a revoked epoch, or a reset
 //! VM's predecessor, is refused by the operator's side even though the CA signed it.
@@ -282,6 +285,11 @@ impl Client {
         .with_custom_certificate_verifier(Arc::new(GuestAuthorizer::new(ca_der, current)))
         .with_client_auth_cert(chain, key)
         .map_err(|e| CallError::Setup(format!("operator certificate and key: {e}")))?;
+        let mut config = config;
+        // No resumption: a resumed session skips the certificate checks, and the
+        // peer-authorizer must judge the guest against the current identity on every
+        // handshake (found by the VM test: a resumed session reached a revoked epoch).
+        config.resumption = rustls::client::Resumption::disabled();
         Ok(Client {
             config: Arc::new(config),
         })

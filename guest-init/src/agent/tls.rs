@@ -342,6 +342,12 @@ pub fn server_config(
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_client_cert_verifier(Arc::new(OperatorVerifier::new(ca)))
         .with_cert_resolver(enrolled);
+    let mut config = config;
+    // No resumption: every connection is a full handshake, so the operator's certificate
+    // is verified (CA, validity, role) each time, and nothing of a revoked identity's
+    // sessions survives a rotation.
+    config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+    config.send_tls13_tickets = 0;
     Ok(Arc::new(config))
 }
 

@@ -337,12 +337,7 @@ pub async fn run(cfg: &EnrollConfig) -> Result<Outcome, EnrollError> {
         }
         BootstrapSource::Push { listen } => loop {
             crate::info!("enroll: waiting for the host to push bootstrap material on {listen}");
-            let material = material::receive_push(listen, Duration::from_millis(cfg.timeout_ms))
-                .await
-                .map_err(|e| EnrollError::State {
-                    what: format!("listen for bootstrap material on {listen}"),
-                    source: e,
-                })?;
+            let material = receive(cfg, listen).await?;
             if let Err(why) = pinned_by_config(cfg, &material) {
                 crate::warn!(
                     "enroll: the pushed bootstrap material was refused ({why}); discarded, waiting for another push"
@@ -359,6 +354,16 @@ pub async fn run(cfg: &EnrollConfig) -> Result<Outcome, EnrollError> {
             }
         },
     }
+}
+
+/// One pushed document on `listen`.
+async fn receive(cfg: &EnrollConfig, listen: &Endpoint) -> Result<material::Material, EnrollError> {
+    material::receive_push(listen, Duration::from_millis(cfg.timeout_ms))
+        .await
+        .map_err(|e| EnrollError::State {
+            what: format!("listen for bootstrap material on {listen}"),
+            source: e,
+        })
 }
 
 /// With a configured `management_ca`, the material must pin that same CA.
@@ -393,7 +398,7 @@ async fn with_store(
 enum OpenStore {
     File(file_store::FileKeyStore),
     Memory(&'static memory_store::MemoryKeyStore),
-    Tpm(TpmStore),
+    Tpm(Box<dyn KeyStore>),
 }
 
 impl OpenStore {
@@ -403,7 +408,7 @@ impl OpenStore {
                 OpenStore::File(file_store::FileKeyStore::open_dir(&cfg.state_dir)?)
             }
             KeyStoreKind::Memory => OpenStore::Memory(memory_store()?),
-            KeyStoreKind::Tpm => OpenStore::Tpm(open_tpm_store(&cfg.state_dir)?),
+            KeyStoreKind::Tpm => OpenStore::Tpm(Box::new(open_tpm_store(&cfg.state_dir)?)),
         })
     }
 
@@ -411,7 +416,7 @@ impl OpenStore {
         match self {
             OpenStore::File(s) => s,
             OpenStore::Memory(s) => *s,
-            OpenStore::Tpm(s) => s,
+            OpenStore::Tpm(s) => s.as_ref(),
         }
     }
 }
@@ -463,12 +468,7 @@ pub async fn next_push(cfg: &EnrollConfig) -> Result<Option<Credentials>, Enroll
         return std::future::pending().await;
     };
     crate::info!("enroll: listening for new bootstrap material on {listen}");
-    let material = material::receive_push(listen, Duration::from_millis(cfg.timeout_ms))
-        .await
-        .map_err(|e| EnrollError::State {
-            what: format!("listen for bootstrap material on {listen}"),
-            source: e,
-        })?;
+    let material = receive(cfg, listen).await?;
     if let Err(why) = pinned_by_config(cfg, &material) {
         crate::warn!("enroll: the pushed bootstrap material was refused ({why})");
         return Ok(None);
@@ -487,12 +487,6 @@ fn open_tpm_store(state_dir: &Path) -> Result<tpm::TpmKeyStore, EnrollError> {
     tpm::require_device(device).map_err(EnrollError::Config)?;
     Ok(tpm::TpmKeyStore::with_device(state_dir, device)?)
 }
-
-/// The TPM store's type; without the `tpm` feature a store that is never opened.
-#[cfg(feature = "tpm")]
-type TpmStore = tpm::TpmKeyStore;
-#[cfg(not(feature = "tpm"))]
-type TpmStore = file_store::FileKeyStore;
 
 /// Built without the `tpm` feature (only to measure its cost): the store is refused.
 #[cfg(not(feature = "tpm"))]

@@ -560,6 +560,32 @@ fn the_host_client_talks_only_to_the_current_identity() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read"));
     assert_eq!(served(), 2, "a request reached the guest");
     assert!(!g.log().contains("shutdown"), "the VM was stopped");
+
+    // One client, many handshakes (as a long-lived operator tool would): the second
+    // handshake after the epoch raise must be judged afresh, not resumed.
+    let path = g.dir.path().join("current.json");
+    std::fs::write(&path, current(&g.id, "vm-1", 7)).unwrap();
+    let client = host_relay::agent_client::Client::new(
+        vec![CertificateDer::from(operator.0.clone())],
+        PrivateKeyDer::Pkcs8(operator.1.clone().into()),
+        g.svc.ca_der().to_vec(),
+        path.clone(),
+    )
+    .unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let target = host_relay::agent_client::Target::Endpoint(vm_transport::Endpoint::Unix(g.sock()));
+    let status = r#"{"v":1,"op":"status"}"#;
+    rt.block_on(client.call(&target, status)).unwrap();
+    std::fs::write(&path, current(&g.id, "vm-1", 8)).unwrap();
+    match rt.block_on(client.call(&target, status)) {
+        Err(host_relay::agent_client::CallError::Refused(e)) => {
+            assert!(e.to_string().contains("epoch:8"), "{e}")
+        }
+        other => panic!("a resumed session skipped the authorizer: {other:?}"),
+    }
 }
 
 #[test]

@@ -250,17 +250,6 @@ impl Env {
         p
     }
 
-    /// Registers a new token for `id` (lifetime 10 min) and returns it with its document.
-    fn registered_doc(&mut self, id: &Identity, tag: &str) -> (String, String) {
-        let token = new_token(tag);
-        let expires = self
-            .svc
-            .register(&token, id, Duration::from_secs(600))
-            .unwrap();
-        let doc = self.material_doc(&token, id, expires);
-        (token, doc)
-    }
-
     /// A bootstrap document for `id` and `token` (what the platform stages or pushes).
     fn material_doc(&mut self, token: &str, id: &Identity, expires: u64) -> String {
         self.tokens.push(token.to_owned());
@@ -896,7 +885,12 @@ fn a_rogue_push_at_the_top_epoch_only_delays_enrollment() {
     }
 
     let id = identity(VM, 5);
-    let (token, doc) = env.registered_doc(&id, "legit");
+    let token = new_token("legit");
+    let expires = env
+        .svc
+        .register(&token, &id, Duration::from_secs(600))
+        .unwrap();
+    let doc = env.material_doc(&token, &id, expires);
     assert_eq!(push(&sock, &doc), "ok\n");
     let (code, out) = env.finish(child);
     assert_eq!(code, 0, "{out}");

@@ -192,6 +192,9 @@ fn client_config(
             .with_custom_certificate_verifier(Arc::new(ServiceVerifier(ca.clone())))
             .with_client_cert_resolver(Arc::new(Presented(Arc::new(certified))));
     config.enable_sni = false;
+    // Every attempt is a full handshake: a resumed session would skip the server
+    // certificate check and present no client certificate.
+    config.resumption = rustls::client::Resumption::disabled();
     Ok(Arc::new(config))
 }
 
