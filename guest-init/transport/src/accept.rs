@@ -18,9 +18,11 @@
 //! wait in the backlog instead.
 //!
 //! **Draining.** When the listener is readable, queued connections are taken one after
-//! another (up to [`BATCH`]) before the loop waits again, so a burst costs one wake-up,
-//! not one reactor turn per caller. Each connection goes straight to the caller's
-//! handler, which spawns its task.
+//! another until the queue is empty (or [`BATCH`] were taken, then the loop yields once so
+//! their tasks run) before the loop waits again, so a burst costs one wake-up, not one
+//! reactor turn per caller, and an empty queue costs one `EAGAIN`, after which the
+//! readiness is cleared and the loop waits for the kernel's next report. Each connection
+//! goes straight to the caller's handler, which spawns its task.
 //!
 //! Logging is the caller's: guest-init writes console lines, host-relay uses `tracing`.
 //! The error callback is told the class and the pause, and rate-limits as it likes.
@@ -112,50 +114,67 @@ pub async fn run(
     mut on_error: impl FnMut(&io::Error, Failure, Duration),
 ) {
     let mut pause = Duration::ZERO;
+    // A reserve opened for a caller that was not there (the queue had emptied) is kept for
+    // the next one, so each connection costs one `socket` and one `close` for it, not more.
+    let mut reserve: Option<OwnedFd> = None;
     loop {
-        let reserve = match opts.reserve.then(reserve_descriptor).transpose() {
-            Ok(r) => r,
+        if let Err(e) = top_up(opts, &mut reserve) {
+            pause = fail(&e, pause, &mut on_error).await;
+            continue;
+        }
+        let mut guard = match listener.readiness().readable().await {
+            Ok(g) => g,
             Err(e) => {
                 pause = fail(&e, pause, &mut on_error).await;
                 continue;
             }
         };
-        let first = listener.accept().await;
-        let mut next = first.map(|(conn, peer)| Some((conn, peer)));
-        let mut reserve = reserve;
+        // Drain what is queued without waiting for another wake-up.
         let mut taken = 0;
-        loop {
-            match next {
+        let mut failed = None;
+        while taken < BATCH {
+            if let Err(e) = top_up(opts, &mut reserve) {
+                failed = Some(e);
+                break;
+            }
+            match listener.try_accept() {
                 Ok(Some((conn, peer))) => {
                     pause = Duration::ZERO;
+                    taken += 1;
                     on_accept(Accepted {
                         conn,
                         peer,
                         reserve: reserve.take(),
                     });
                 }
-                Ok(None) => break,
+                Ok(None) => {
+                    // The queue is empty: wait for the kernel's next report. (A connection
+                    // that arrived since is a newer event, which this does not clear.)
+                    guard.clear_ready();
+                    break;
+                }
                 Err(e) => {
-                    pause = fail(&e, pause, &mut on_error).await;
+                    failed = Some(e);
                     break;
                 }
             }
-            taken += 1;
-            if taken >= BATCH {
-                break;
-            }
-            // Drain what is queued without waiting for another wake-up.
-            reserve = match opts.reserve.then(reserve_descriptor).transpose() {
-                Ok(r) => r,
-                Err(e) => {
-                    pause = fail(&e, pause, &mut on_error).await;
-                    break;
-                }
-            };
-            next = listener.try_accept();
         }
-        tokio::task::yield_now().await;
+        drop(guard);
+        if let Some(e) = failed {
+            pause = fail(&e, pause, &mut on_error).await;
+        } else if taken >= BATCH {
+            // Let the connections just taken (and everything else) run.
+            tokio::task::yield_now().await;
+        }
     }
+}
+
+/// Opens the reserve descriptor when the options ask for one and none is held.
+fn top_up(opts: Options, reserve: &mut Option<OwnedFd>) -> io::Result<()> {
+    if opts.reserve && reserve.is_none() {
+        *reserve = Some(reserve_descriptor()?);
+    }
+    Ok(())
 }
 
 async fn fail(

@@ -23,9 +23,10 @@
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{ready, Context, Poll};
 
-use nix::sys::socket::{self, MsgFlags, SockaddrLike};
+use nix::sys::socket::{self, AddressFamily, MsgFlags, SockaddrLike};
 use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
 
@@ -37,14 +38,18 @@ pub const VSOCK_MAX_SEND: usize = 16 * 1024;
 /// How many bytes one `send` on `fd` may carry: [`VSOCK_MAX_SEND`] for vsock, else no
 /// limit.
 fn send_limit(fd: &OwnedFd) -> usize {
-    let family = socket::getsockname::<socket::SockaddrStorage>(fd.as_raw_fd())
-        .ok()
-        .and_then(|a| a.family());
-    if family == Some(socket::AddressFamily::Vsock) {
+    if family(fd) == Some(AddressFamily::Vsock) {
         VSOCK_MAX_SEND
     } else {
         usize::MAX
     }
+}
+
+/// The address family of a socket.
+fn family(fd: &OwnedFd) -> Option<AddressFamily> {
+    socket::getsockname::<socket::SockaddrStorage>(fd.as_raw_fd())
+        .ok()
+        .and_then(|a| a.family())
 }
 
 /// Registers a descriptor with the tokio reactor.
@@ -67,11 +72,27 @@ pub(crate) fn set_nonblocking(fd: &OwnedFd) -> io::Result<()> {
 ///
 /// It implements [`AsyncRead`] and [`AsyncWrite`] for ordinary protocol code; the pump uses
 /// its readiness methods directly so that it holds no buffer while a connection is idle.
+///
+/// **No reactor turn before the first byte.** tokio learns a new descriptor's readiness
+/// only from the reactor's next `epoll_wait`, so a connection that waited for readiness
+/// before its first `send` and its first `recv` would spend a turn of the event loop per
+/// new connection before any byte could move (the profile of connection setup showed it:
+/// see `docs/BENCHMARKS.md`). Two facts the kernel guarantees make that wait unnecessary:
+/// an established stream socket on which nothing has been sent has an empty send queue,
+/// so it can take data ([`Conn::writable`] returns at once until the first write), and a
+/// `recv` that finds nothing says so with `EAGAIN` ([`Conn::read_pooled`] tries once
+/// before it waits, the first time).
 #[derive(Debug)]
 pub struct Conn {
     fd: AsyncFd<OwnedFd>,
     /// The most bytes one `send` may carry ([`send_limit`]).
     max_send: usize,
+    /// Established, and nothing has been written on it yet: its send queue is empty.
+    unwritten: AtomicBool,
+    /// Nothing has been read from it yet: the first read tries before it waits.
+    unread: AtomicBool,
+    /// A Unix stream socket: the pump may `splice` to and from it ([`crate::splice`]).
+    splices: bool,
 }
 
 impl Conn {
@@ -79,10 +100,52 @@ impl Conn {
     pub fn from_owned(fd: OwnedFd) -> io::Result<Self> {
         set_nonblocking(&fd)?;
         let max_send = send_limit(&fd);
+        let splices = family(&fd) == Some(AddressFamily::Unix)
+            && socket::getsockopt(&fd, socket::sockopt::SockType).ok()
+                == Some(socket::SockType::Stream);
+        Conn::register(fd, max_send, splices)
+    }
+
+    /// Registers a connected stream socket that is already non-blocking and whose family
+    /// the caller knows (it just accepted or dialled it, as a stream socket): three system
+    /// calls fewer per connection than [`Conn::from_owned`].
+    pub(crate) fn from_nonblocking(fd: OwnedFd, family: AddressFamily) -> io::Result<Self> {
+        let max_send = if family == AddressFamily::Vsock {
+            VSOCK_MAX_SEND
+        } else {
+            usize::MAX
+        };
+        Conn::register(fd, max_send, family == AddressFamily::Unix)
+    }
+
+    fn register(fd: OwnedFd, max_send: usize, splices: bool) -> io::Result<Self> {
         Ok(Conn {
             fd: register(fd, Interest::READABLE | Interest::WRITABLE)?,
             max_send,
+            unwritten: AtomicBool::new(true),
+            unread: AtomicBool::new(true),
+            splices,
         })
+    }
+
+    /// Whether this is a Unix stream socket, which the pump may `splice` to and from.
+    pub fn splices(&self) -> bool {
+        self.splices
+    }
+
+    /// The registered descriptor, for [`crate::splice`].
+    pub(crate) fn async_fd(&self) -> &AsyncFd<OwnedFd> {
+        &self.fd
+    }
+
+    /// Whether nothing had been written yet; from now on, something has.
+    pub(crate) fn take_unwritten(&self) -> bool {
+        self.unwritten.swap(false, Ordering::Relaxed)
+    }
+
+    /// Whether nothing had been read yet; from now on, something has.
+    pub(crate) fn take_unread(&self) -> bool {
+        self.unread.swap(false, Ordering::Relaxed)
     }
 
     /// Waits for a non-blocking connect in progress to finish, and reports its outcome.
@@ -117,6 +180,7 @@ impl Conn {
     /// Reads once: waits until the socket is readable, then returns what one `recv` gives.
     /// `Ok(0)` is end of stream.
     pub async fn read(&self, buf: &mut [u8]) -> io::Result<usize> {
+        self.unread.store(false, Ordering::Relaxed);
         loop {
             let mut guard = self.fd.readable().await?;
             match guard.try_io(|fd| recv(fd.get_ref().as_fd(), buf)) {
@@ -130,6 +194,19 @@ impl Conn {
     /// buffer from the pool and reads into it. An idle connection therefore holds no
     /// buffer. `Ok(None)` is end of stream.
     pub async fn read_pooled(&self) -> io::Result<Option<PooledBuf>> {
+        if self.take_unread() {
+            // The first read: try before waiting (see the type's documentation).
+            let mut buf = PooledBuf::take();
+            match recv(self.as_fd(), buf.spare_mut()) {
+                Ok(0) => return Ok(None),
+                Ok(n) => {
+                    buf.set_len(n);
+                    return Ok(Some(buf));
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e),
+            }
+        }
         loop {
             let mut guard = self.fd.readable().await?;
             let mut buf = PooledBuf::take();
@@ -148,12 +225,26 @@ impl Conn {
 
     /// Waits until the socket can take data (or has failed, so that a write would report
     /// why). The readiness is kept, so a `write_all` right after sends without waiting.
+    /// A connection on which nothing has been written yet can: it returns at once.
     pub async fn writable(&self) -> io::Result<()> {
+        if self.unwritten.load(Ordering::Relaxed) {
+            return Ok(());
+        }
         self.fd.writable().await.map(drop)
     }
 
     /// Writes all of `buf` before returning, waiting for the peer as needed.
     pub async fn write_all(&self, mut buf: &[u8]) -> io::Result<()> {
+        if !buf.is_empty() && self.take_unwritten() {
+            // The first write: the send queue is empty, so send before waiting.
+            let part = &buf[..buf.len().min(self.max_send)];
+            match send(self.as_fd(), part) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => buf = &buf[n..],
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e),
+            }
+        }
         while !buf.is_empty() {
             let mut guard = self.fd.writable().await?;
             let part = &buf[..buf.len().min(self.max_send)];
@@ -238,6 +329,7 @@ impl AsyncRead for Conn {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
+        self.unread.store(false, Ordering::Relaxed);
         loop {
             let mut guard = ready!(self.fd.poll_read_ready(cx))?;
             let unfilled = buf.initialize_unfilled();
@@ -259,6 +351,7 @@ impl AsyncWrite for Conn {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
+        self.unwritten.store(false, Ordering::Relaxed);
         loop {
             let mut guard = ready!(self.fd.poll_write_ready(cx))?;
             let part = &buf[..buf.len().min(self.max_send)];
@@ -281,6 +374,65 @@ impl AsyncWrite for Conn {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::endpoint::Endpoint;
+    use std::future::Future;
+
+    /// Polls a future once: its output if it completed without waiting for anything (in
+    /// particular, without a turn of the reactor), else `None`.
+    fn first_poll<F: Future>(f: F) -> Option<F::Output> {
+        let mut f = std::pin::pin!(f);
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        match f.as_mut().poll(&mut cx) {
+            Poll::Ready(v) => Some(v),
+            Poll::Pending => None,
+        }
+    }
+
+    /// A new connection's first bytes move in the same turn of the event loop that made
+    /// it: the dial completes in the call, the first write needs no writability report and
+    /// the first read no readability report. (Waiting for either costs a reactor turn per
+    /// connection; the benchmark's connection setup figure showed it.)
+    #[tokio::test]
+    async fn a_new_connection_moves_bytes_without_a_reactor_turn() {
+        let dir = tempfile::tempdir().unwrap();
+        let ep = Endpoint::Unix(dir.path().join("s"));
+        let l = ep.listen().unwrap();
+        let client = first_poll(ep.connect())
+            .expect("a Unix connect completes in the call")
+            .unwrap();
+        first_poll(client.writable())
+            .expect("nothing written yet: writable at once")
+            .unwrap();
+        first_poll(client.write_all(b"first"))
+            .expect("the first write waited for the reactor")
+            .unwrap();
+        let (server, _) = l.try_accept().unwrap().expect("the connection is queued");
+        let chunk = first_poll(server.read_pooled())
+            .expect("the first read waited for the reactor")
+            .unwrap()
+            .unwrap();
+        assert_eq!(&chunk[..], b"first");
+        // Once something was written, writability is the reactor's to report again.
+        assert!(
+            first_poll(server.write_all(b"x")).is_some(),
+            "the server's first write"
+        );
+        let mut buf = [0u8; 8];
+        assert_eq!(client.read(&mut buf).await.unwrap(), 1);
+    }
+
+    /// The shortcut is for the first read only, and an empty socket still waits.
+    #[tokio::test]
+    async fn a_first_read_with_nothing_queued_waits() {
+        let (a, b) = Conn::seqpacket_pair().unwrap();
+        let read = a.read_pooled();
+        let mut read = std::pin::pin!(read);
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        assert!(read.as_mut().poll(&mut cx).is_pending());
+        b.write_all(b"late").await.unwrap();
+        let chunk = read.await.unwrap().unwrap();
+        assert_eq!(&chunk[..], b"late");
+    }
 
     #[test]
     fn only_vsock_sends_are_capped() {

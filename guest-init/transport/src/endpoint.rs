@@ -135,19 +135,25 @@ impl Endpoint {
     pub async fn connect(&self) -> io::Result<Conn> {
         match self {
             Endpoint::Unix(path) => {
-                // A full listen backlog makes a non-blocking Unix connect fail with EAGAIN,
-                // where the blocking connect an app makes natively waits for room. Wait the
-                // same way, so a burst is queued rather than refused; the caller bounds the
+                // A Unix connect completes in the call (the new connection is queued on
+                // the listener at once), so there is no writability to wait for: the
+                // connection can carry bytes as soon as this returns. A full listen
+                // backlog makes a non-blocking Unix connect fail with EAGAIN, where the
+                // blocking connect an app makes natively waits for room. Wait the same
+                // way, so a burst is queued rather than refused; the caller bounds the
                 // whole connect with its own timeout.
+                let addr = UnixAddr::new(path.as_path())?;
                 let mut pause = Duration::from_millis(1);
                 loop {
-                    match tokio::net::UnixStream::connect(path).await {
-                        Ok(s) => return Conn::from_owned(OwnedFd::from(s.into_std()?)),
-                        Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
+                    let fd = new_socket(AddressFamily::Unix)?;
+                    match socket::connect(fd.as_raw_fd(), &addr) {
+                        Ok(()) => return Conn::from_nonblocking(fd, AddressFamily::Unix),
+                        Err(nix::errno::Errno::EAGAIN) => {
+                            drop(fd);
                             tokio::time::sleep(pause).await;
                             pause = (pause * 2).min(BACKLOG_FULL_MAX_PAUSE);
                         }
-                        Err(e) => return Err(e),
+                        Err(e) => return Err(e.into()),
                     }
                 }
             }
@@ -164,7 +170,7 @@ impl Endpoint {
                     Err(nix::errno::Errno::EINPROGRESS) => true,
                     Err(e) => return Err(e.into()),
                 };
-                let conn = Conn::from_owned(fd)?;
+                let conn = Conn::from_nonblocking(fd, AddressFamily::Vsock)?;
                 if in_progress {
                     conn.connected().await?;
                 }

@@ -16,7 +16,8 @@
 //! - [`publish`]: a Unix socket at a path, owner and mode set before listen, no symlink
 //!   followed, never over a live service, only our own inode removed.
 //! - [`accept`]: the accept loop and its one table of errors and backoffs.
-//! - [`pump`]: byte-exact relaying that holds no buffer while idle.
+//! - [`pump`]: byte-exact relaying that holds no buffer while idle; [`splice`]: its
+//!   copy-free path between Unix stream sockets.
 //! - [`hybrid`]: the host side of hybrid vsock (`CONNECT <port>`).
 //! - [`fdlimit`]: lifting the open-file limit for bursts.
 
@@ -31,8 +32,24 @@ pub mod mode;
 pub mod pool;
 pub mod publish;
 pub mod pump;
+pub mod splice;
 pub mod vsock;
 
 pub use conn::Conn;
 pub use endpoint::Endpoint;
 pub use listener::{Listener, Peer};
+
+/// Helpers for the unit tests of several modules.
+#[cfg(test)]
+pub(crate) mod testing {
+    use crate::{Conn, Endpoint};
+
+    /// A connected pair of Unix stream sockets through a listener at `dir/name`: the
+    /// dialled end first, the accepted end second.
+    pub(crate) async fn pair(dir: &std::path::Path, name: &str) -> (Conn, Conn) {
+        let ep = Endpoint::Unix(dir.join(name));
+        let l = crate::listener::listen(&ep).unwrap();
+        let (c, s) = tokio::join!(ep.connect(), l.accept());
+        (c.unwrap(), s.unwrap().0)
+    }
+}

@@ -101,6 +101,12 @@ impl Listener {
         })
     }
 
+    /// The listening descriptor's readiness, for the accept loop ([`crate::accept`]),
+    /// which drains the queue under one readiness guard.
+    pub(crate) fn readiness(&self) -> &AsyncFd<OwnedFd> {
+        &self.fd
+    }
+
     /// The endpoint this listener was bound to.
     pub fn endpoint(&self) -> &Endpoint {
         &self.endpoint
@@ -116,8 +122,15 @@ impl Listener {
             Ok(raw) => {
                 // SAFETY: accept4 just returned this descriptor and nothing else owns it.
                 let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-                let peer = peer_of(&fd);
-                Ok(Some((Conn::from_owned(fd)?, peer)))
+                // accept4 made it non-blocking, and its family is the listener's. A Unix
+                // peer has no address worth a `getpeername`.
+                let (family, peer) = match &self.endpoint {
+                    Endpoint::Unix(_) => (AddressFamily::Unix, Peer::Unix),
+                    Endpoint::Vsock { .. } => (AddressFamily::Vsock, peer_of(&fd)),
+                    Endpoint::Tcp(a) if a.is_ipv4() => (AddressFamily::Inet, peer_of(&fd)),
+                    Endpoint::Tcp(_) => (AddressFamily::Inet6, peer_of(&fd)),
+                };
+                Ok(Some((Conn::from_nonblocking(fd, family)?, peer)))
             }
             Err(nix::errno::Errno::EAGAIN) => Ok(None),
             Err(e) => Err(e.into()),

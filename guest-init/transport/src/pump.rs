@@ -24,7 +24,9 @@
 //!   A buffer is still held across a wait when a destination takes only part of a chunk
 //!   (a vsock peer short of credit), one per such stalled direction.
 //!
-//! The buffers come from [`crate::pool`].
+//! The buffers come from [`crate::pool`]. Between two Unix stream sockets, a direction
+//! whose read fills a whole buffer (a bulk flow) moves the rest of its chunks with
+//! `splice(2)` through pooled pipes instead, under the same contract ([`crate::splice`]).
 
 use std::io;
 
@@ -44,26 +46,31 @@ pub struct Totals {
 /// Copies one direction until end of stream or an error, then half-closes `to`.
 /// Returns the bytes moved, or the error that ended the direction.
 pub async fn copy(from: &Conn, to: &Conn) -> io::Result<u64> {
-    let mut total = 0u64;
-    let result = loop {
-        // Destination first, so a chunk is never read before it can be written.
-        if let Err(e) = to.writable().await {
-            break Err(e);
-        }
-        match from.read_pooled().await {
-            Ok(None) => break Ok(total),
-            Ok(Some(chunk)) => {
-                if let Err(e) = to.write_all(&chunk).await {
-                    break Err(e);
-                }
-                total += chunk.len() as u64;
-            }
-            Err(e) => break Err(e),
-        }
-    };
+    let result = copy_buffered(from, to).await;
     // Pass the end on; if `to` is already gone there is nobody to tell.
     let _ = to.shutdown_write();
     result
+}
+
+/// Copies one direction through pooled buffers (any transport). A read that fills a
+/// whole buffer between two Unix stream sockets marks a bulk flow: the rest of the
+/// direction goes through [`crate::splice`], whose larger state is allocated then and
+/// only then, so the thousands of small connections of a burst do not carry it.
+async fn copy_buffered(from: &Conn, to: &Conn) -> io::Result<u64> {
+    let mut total = 0u64;
+    loop {
+        // Destination first, so a chunk is never read before it can be written.
+        to.writable().await?;
+        let Some(chunk) = from.read_pooled().await? else {
+            return Ok(total);
+        };
+        to.write_all(&chunk).await?;
+        total += chunk.len() as u64;
+        if chunk.len() == crate::pool::CHUNK && from.splices() && to.splices() {
+            drop(chunk);
+            return Ok(total + Box::pin(crate::splice::copy(from, to)).await?);
+        }
+    }
 }
 
 /// Relays both directions between `a` and `b` until both have ended.
@@ -116,15 +123,7 @@ pub async fn relay(a: &Conn, b: &Conn) -> Totals {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::endpoint::Endpoint;
-    use crate::listener::listen;
-
-    async fn pair(dir: &std::path::Path, name: &str) -> (Conn, Conn) {
-        let ep = Endpoint::Unix(dir.join(name));
-        let l = listen(&ep).unwrap();
-        let (c, s) = tokio::join!(ep.connect(), l.accept());
-        (c.unwrap(), s.unwrap().0)
-    }
+    use crate::testing::pair;
 
     #[tokio::test]
     async fn relays_both_ways_and_passes_half_close() {

@@ -49,30 +49,38 @@ fn smoke_run_prints_every_figure_and_writes_json() {
     }
     for r in rows {
         for key in [
-            "metric", "unit", "direct", "chain", "socat", "ratios", "target", "pass",
+            "metric", "unit", "direct", "chain", "naive", "socat", "ratios", "target", "pass",
         ] {
             assert!(r.get(key).is_some(), "row {r} lacks {key}");
         }
     }
     assert!(doc["machine"]["nproc"].as_u64().unwrap_or(0) >= 1);
 
-    // The direct path needs nothing but this process: its figures must always be measured.
+    // The direct and naive paths need nothing but this binary: their figures must always
+    // be measured.
     let first = |fig: &str, col: &str| {
         rows.iter()
             .find(|r| r["figure"] == fig)
             .and_then(|r| r[col].as_f64())
     };
     for fig in ["1", "2", "3"] {
-        assert!(
-            first(fig, "direct").is_some_and(|v| v > 0.0),
-            "figure {fig} has no direct value: {stdout}"
-        );
+        for col in ["direct", "naive"] {
+            assert!(
+                first(fig, col).is_some_and(|v| v > 0.0),
+                "figure {fig} has no {col} value: {stdout}"
+            );
+        }
     }
     let burst = rows.iter().find(|r| r["figure"] == "4").expect("burst row");
     assert_eq!(
         burst["direct"].as_f64(),
         Some(50.0),
         "every connection of the direct smoke burst must echo"
+    );
+    assert_eq!(
+        burst["naive"].as_f64(),
+        Some(50.0),
+        "every connection of the naive relay's smoke burst must echo"
     );
 
     // What could not run is said in a note; under REQUIRE_ALL=1 nothing may be missing.
@@ -136,6 +144,7 @@ fn bad_arguments_are_refused_with_their_name() {
         (&["--json"][..], "--json"),
         (&["--frobnicate"][..], "--frobnicate"),
         (&["--vm-boots", "-1"][..], "--vm-boots"),
+        (&["--figures", "9"][..], "--figures"),
     ] {
         let out = bench().args(args).output().expect("run the bench binary");
         assert!(!out.status.success(), "{args:?} must be refused");

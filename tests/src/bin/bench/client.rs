@@ -79,20 +79,23 @@ pub fn bulk(path: &Path, dur: Duration) -> io::Result<f64> {
     let start = Instant::now();
     let warm = start + dur / 10;
     let end = warm + dur;
+    // The window opens after the warm-up and closes when the last byte written is back:
+    // at least one write follows the opening, so a loaded machine that blocks a whole
+    // window in one write still measures that write, never 0 bytes.
     let mut base = None;
-    while Instant::now() < end {
+    while base.is_none() || Instant::now() < end {
         writer.write_all(&data)?;
         if base.is_none() && Instant::now() >= warm {
             base = Some((Instant::now(), received.load(Ordering::Relaxed)));
         }
     }
     let (t0, b0) = base.unwrap_or((start, 0));
-    let bytes = received.load(Ordering::Relaxed) - b0;
-    let secs = t0.elapsed().as_secs_f64();
     writer.shutdown(std::net::Shutdown::Write)?;
     reading
         .join()
         .map_err(|_| io::Error::other("bulk reader panicked"))??;
+    let bytes = received.load(Ordering::Relaxed) - b0;
+    let secs = t0.elapsed().as_secs_f64();
     Ok(bytes as f64 / (1024.0 * 1024.0) / secs)
 }
 

@@ -22,14 +22,19 @@ use super::Settings;
 
 /// Per-path lists of per-round values for one metric.
 #[derive(Default)]
-struct Series([Vec<f64>; 3]);
+struct Series([Vec<f64>; 4]);
 
 impl Series {
     fn push(&mut self, k: Kind, v: f64) {
         self.0[index(k)].push(v);
     }
-    fn medians(&self) -> [Option<f64>; 3] {
-        [median(&self.0[0]), median(&self.0[1]), median(&self.0[2])]
+    fn medians(&self) -> [Option<f64>; 4] {
+        [
+            median(&self.0[0]),
+            median(&self.0[1]),
+            median(&self.0[2]),
+            median(&self.0[3]),
+        ]
     }
 }
 
@@ -37,7 +42,7 @@ fn index(k: Kind) -> usize {
     Kind::ALL.iter().position(|x| *x == k).unwrap_or(0)
 }
 
-/// Starts the three paths in front of `service`; a path that cannot start is `None` and
+/// Starts the four paths in front of `service`; a path that cannot start is `None` and
 /// explained in `notes`.
 fn routes(
     dir: &Path,
@@ -45,7 +50,7 @@ fn routes(
     tag: &str,
     s: &Settings,
     notes: &mut Vec<String>,
-) -> [Option<Route>; 3] {
+) -> [Option<Route>; 4] {
     let direct = s.wants(Kind::Direct).then(|| paths::direct(service));
     let chain = match s
         .wants(Kind::Chain)
@@ -74,17 +79,71 @@ fn routes(
         ));
         None
     };
-    [direct, chain, socat]
+    let naive = match s
+        .wants(Kind::Naive)
+        .then(|| paths::naive(dir, service, tag))
+    {
+        None => None,
+        Some(Ok(r)) => Some(r),
+        Some(Err(e)) => {
+            notes.push(format!("{tag}: naive path not measured: {e}"));
+            None
+        }
+    };
+    [direct, chain, naive, socat]
 }
 
 /// The order of the paths in round `round`.
-fn order(round: usize) -> [usize; 3] {
-    [round % 3, (round + 1) % 3, (round + 2) % 3]
+fn order(round: usize) -> [usize; 4] {
+    [0, 1, 2, 3].map(|i| (round + i) % 4)
+}
+
+/// The chain's ratios to the three other paths, as the table prints them.
+fn chain_ratios([d, c, n, so]: [Option<f64>; 4]) -> String {
+    format!(
+        "{} {} {}",
+        fmt_ratio("chain/direct", ratio(c, d)),
+        fmt_ratio("chain/naive", ratio(c, n)),
+        fmt_ratio("chain/socat", ratio(c, so))
+    )
 }
 
 fn note_once(notes: &mut Vec<String>, msg: String) {
     if !notes.contains(&msg) {
         notes.push(msg);
+    }
+}
+
+/// How many slices one window of figures 1-3 is cut into (about 100 ms each).
+fn slices(s: &Settings) -> usize {
+    (s.window_ms / 100).max(1) as usize
+}
+
+/// Runs `each` on every path, `slices` times over, the paths taking turns slice by slice
+/// (in the round's order). On this shared machine other people's builds come and go
+/// within seconds; taking turns every 100 ms puts every path through the same load, so
+/// the ratios between paths stay meaningful when the absolute numbers do not. A path
+/// whose workload fails is noted once and sits out the rest of the figure.
+fn interleave(
+    routes: &[Option<Route>; 4],
+    round: usize,
+    slices: usize,
+    notes: &mut Vec<String>,
+    fig: &str,
+    mut each: impl FnMut(&Route, usize) -> std::io::Result<()>,
+) {
+    let mut failed = [false; 4];
+    for _ in 0..slices {
+        for i in order(round) {
+            let Some(r) = &routes[i] else { continue };
+            if failed[i] {
+                continue;
+            }
+            if let Err(e) = each(r, i) {
+                failed[i] = true;
+                note_once(notes, format!("figure {fig} on {}: {e}", r.kind.name()));
+            }
+        }
     }
 }
 
@@ -99,35 +158,48 @@ pub fn sockets(dir: &Path, s: &Settings, notes: &mut Vec<String>) -> anyhow::Res
     let burst_rounds = s.rounds.min(3);
     for round in 0..s.rounds {
         eprintln!("bench: figures 1-4, round {} of {}", round + 1, s.rounds);
-        for i in order(round) {
-            let Some(r) = &routes[i] else { continue };
-            match client::rtt(&r.entry, s.window()) {
-                Ok(v) => {
-                    rtt50.push(r.kind, percentile(&v, 50.0).unwrap_or(f64::NAN));
-                    rtt99.push(r.kind, percentile(&v, 99.0).unwrap_or(f64::NAN));
-                }
-                Err(e) => note_once(notes, format!("figure 1 on {}: {e}", r.kind.name())),
+        let slices = slices(s);
+        let slice = s.window() / slices as u32;
+        if s.wants_figure("1") {
+            let mut v: [Vec<f64>; 4] = Default::default();
+            interleave(&routes, round, slices, notes, "1", |r, i| {
+                v[i].extend(client::rtt(&r.entry, slice)?);
+                Ok(())
+            });
+            for (i, v) in v.iter().enumerate().filter(|(_, v)| !v.is_empty()) {
+                rtt50.push(Kind::ALL[i], percentile(v, 50.0).unwrap_or(f64::NAN));
+                rtt99.push(Kind::ALL[i], percentile(v, 99.0).unwrap_or(f64::NAN));
             }
         }
-        for i in order(round) {
-            let Some(r) = &routes[i] else { continue };
-            match client::bulk(&r.entry, s.window()) {
-                Ok(v) => bulk.push(r.kind, v),
-                Err(e) => note_once(notes, format!("figure 2 on {}: {e}", r.kind.name())),
+        if s.wants_figure("2") {
+            // Longer slices: a bulk connection needs a moment to reach its pace.
+            let (n, len) = ((slices / 3).max(1), slice * 3);
+            let mut v: [Vec<f64>; 4] = Default::default();
+            interleave(&routes, round, n, notes, "2", |r, i| {
+                v[i].push(client::bulk(&r.entry, len)?);
+                Ok(())
+            });
+            for (i, v) in v.iter().enumerate().filter(|(_, v)| !v.is_empty()) {
+                // Slices of equal length: the mean rate is the rate over all of them.
+                bulk.push(Kind::ALL[i], v.iter().sum::<f64>() / v.len() as f64);
             }
         }
-        for i in order(round) {
-            let Some(r) = &routes[i] else { continue };
-            match client::setup(&r.entry, s.window()) {
-                Ok((v, rate)) => {
-                    cps.push(r.kind, rate);
-                    set50.push(r.kind, percentile(&v, 50.0).unwrap_or(f64::NAN));
-                    set99.push(r.kind, percentile(&v, 99.0).unwrap_or(f64::NAN));
-                }
-                Err(e) => note_once(notes, format!("figure 3 on {}: {e}", r.kind.name())),
+        if s.wants_figure("3") {
+            let mut v: [(Vec<f64>, Vec<f64>); 4] = Default::default();
+            interleave(&routes, round, slices, notes, "3", |r, i| {
+                let (samples, rate) = client::setup(&r.entry, slice)?;
+                v[i].0.extend(samples);
+                v[i].1.push(rate);
+                Ok(())
+            });
+            for (i, (t, rates)) in v.iter().enumerate().filter(|(_, v)| !v.1.is_empty()) {
+                let k = Kind::ALL[i];
+                cps.push(k, rates.iter().sum::<f64>() / rates.len() as f64);
+                set50.push(k, percentile(t, 50.0).unwrap_or(f64::NAN));
+                set99.push(k, percentile(t, 99.0).unwrap_or(f64::NAN));
             }
         }
-        if round < burst_rounds {
+        if round < burst_rounds && s.wants_figure("4") {
             for i in order(round) {
                 let Some(r) = &routes[i] else { continue };
                 let b = client::burst(&r.entry, s.burst, s.burst_threads);
@@ -148,82 +220,62 @@ pub fn sockets(dir: &Path, s: &Settings, notes: &mut Vec<String>) -> anyhow::Res
             }
         }
     }
-    let chain = routes[1].as_ref();
-    let hwm_mib = |pid: Option<u32>| {
-        pid.and_then(|p| paths::status_kib(p, "VmHWM"))
+    let hwm_mib = |k: Kind, pid: fn(&Route) -> Option<u32>| {
+        routes[index(k)]
+            .as_ref()
+            .and_then(pid)
+            .and_then(|p| paths::status_kib(p, "VmHWM"))
             .map(|k| k as f64 / 1024.0)
     };
-    let relay_hwm = hwm_mib(chain.and_then(|c| c.relay_pid));
-    let fwd_hwm = hwm_mib(chain.and_then(|c| c.forwarder_pid));
-    let socat_relay_hwm = hwm_mib(routes[2].as_ref().and_then(|c| c.relay_pid));
-    let socat_fwd_hwm = hwm_mib(routes[2].as_ref().and_then(|c| c.forwarder_pid));
+    let relay = |r: &Route| r.relay_pid;
+    let fwd = |r: &Route| r.forwarder_pid;
+    let relay_hwm =
+        [Kind::Direct, Kind::Chain, Kind::Naive, Kind::Socat].map(|k| hwm_mib(k, relay));
+    let fwd_hwm = [Kind::Direct, Kind::Chain, Kind::Naive, Kind::Socat].map(|k| hwm_mib(k, fwd));
 
-    let [d, c, so] = rtt50.medians();
-    let mut rows = vec![Row::new("1", "RTT p50 (64 B ping-pong)", "us", [d, c, so])
-        .ratios(format!(
-            "{} {}",
-            fmt_ratio("chain/direct", ratio(c, d)),
-            fmt_ratio("chain/socat", ratio(c, so))
-        ))
+    let v = rtt50.medians();
+    let [_, c, n, so] = v;
+    let mut rows = vec![Row::new("1", "RTT p50 (64 B ping-pong)", "us", v)
+        .ratios(chain_ratios(v))
         .target(
-            "chain <= 2x direct and <= socat",
+            "chain <= naive and <= 0.7x socat",
             both(
-                ratio(c, d).map(|r| r <= 2.0),
-                ratio(c, so).map(|r| r <= 1.0),
+                ratio(c, n).map(|r| r <= 1.0),
+                ratio(c, so).map(|r| r <= 0.7),
             ),
         )];
-    let [d, c, so] = rtt99.medians();
+    let v = rtt99.medians();
+    rows.push(Row::new("1", "RTT p99 (64 B ping-pong)", "us", v).ratios(chain_ratios(v)));
+    let v = bulk.medians();
+    let [d, c, n, _] = v;
     rows.push(
-        Row::new("1", "RTT p99 (64 B ping-pong)", "us", [d, c, so]).ratios(format!(
-            "{} {}",
-            fmt_ratio("chain/direct", ratio(c, d)),
-            fmt_ratio("chain/socat", ratio(c, so))
-        )),
-    );
-    let [d, c, so] = bulk.medians();
-    rows.push(
-        Row::new("2", "bulk, 1 MiB writes, echoed", "MiB/s", [d, c, so])
-            .ratios(format!(
-                "{} {}",
-                fmt_ratio("chain/direct", ratio(c, d)),
-                fmt_ratio("chain/socat", ratio(c, so))
-            ))
+        Row::new("2", "bulk, 1 MiB writes, echoed", "MiB/s", v)
+            .ratios(chain_ratios(v))
             .target(
-                "chain >= 0.5x direct and >= 3x socat",
+                "chain >= 0.5x direct and >= 2x naive",
+                both(ratio(c, d).map(|r| r >= 0.5), ratio(c, n).map(|r| r >= 2.0)),
+            ),
+    );
+    let v = cps.medians();
+    let [_, c, n, so] = v;
+    rows.push(
+        Row::new("3", "setup rate (connect, echo, close)", "conn/s", v)
+            .ratios(chain_ratios(v))
+            .target(
+                "chain >= 1.2x naive and >= 6x socat",
                 both(
-                    ratio(c, d).map(|r| r >= 0.5),
-                    ratio(c, so).map(|r| r >= 3.0),
+                    ratio(c, n).map(|r| r >= 1.2),
+                    ratio(c, so).map(|r| r >= 6.0),
                 ),
             ),
     );
-    let [d, c, so] = cps.medians();
-    rows.push(
-        Row::new(
-            "3",
-            "setup rate (connect, echo, close)",
-            "conn/s",
-            [d, c, so],
-        )
-        .ratios(format!(
-            "{} {}",
-            fmt_ratio("chain/direct", ratio(c, d)),
-            fmt_ratio("chain/socat", ratio(c, so))
-        ))
-        .target("chain >= 5x socat", ratio(c, so).map(|r| r >= 5.0)),
-    );
-    let [d, c, so] = set50.medians();
-    rows.push(
-        Row::new("3", "setup time p50", "us", [d, c, so])
-            .ratios(fmt_ratio("chain/direct", ratio(c, d))),
-    );
-    let [d, c, so] = set99.medians();
-    rows.push(
-        Row::new("3", "setup time p99", "us", [d, c, so])
-            .ratios(fmt_ratio("chain/direct", ratio(c, d))),
-    );
+    let v = set50.medians();
+    rows.push(Row::new("3", "setup time p50", "us", v).ratios(chain_ratios(v)));
+    let v = set99.medians();
+    rows.push(Row::new("3", "setup time p99", "us", v).ratios(chain_ratios(v)));
     // The worst round counts for success: "all must succeed" means in every burst.
     let worst = |k: Kind| burst_ok.0[index(k)].iter().copied().reduce(f64::min);
-    let ok = [worst(Kind::Direct), worst(Kind::Chain), worst(Kind::Socat)];
+    let ok = Kind::ALL.map(worst);
     rows.push(
         Row::new(
             "4",
@@ -233,26 +285,27 @@ pub fn sockets(dir: &Path, s: &Settings, notes: &mut Vec<String>) -> anyhow::Res
         )
         .target(
             format!("chain {0} of {0}", s.burst),
-            ok[1].map(|v| v as usize == s.burst),
+            ok[index(Kind::Chain)].map(|v| v as usize == s.burst),
         ),
     );
     rows.push(Row::new("4", "burst: total time", "ms", burst_ms.medians()));
+    let c = relay_hwm[index(Kind::Chain)];
     rows.push(
         Row::new(
             "4",
-            "peak RSS, host-relay (socat: 2nd hop parent)",
+            "peak RSS, host-relay (others: 2nd hop)",
             "MiB",
-            [None, relay_hwm, socat_relay_hwm],
+            relay_hwm,
         )
-        .target("chain <= 48 MiB", relay_hwm.map(|v| v <= 48.0)),
+        .target("chain <= 48 MiB", c.map(|v| v <= 48.0)),
     );
     rows.push(Row::new(
         "4",
-        "peak RSS, forwarder (socat: 1st hop parent)",
+        "peak RSS, forwarder (others: 1st hop)",
         "MiB",
-        [None, fwd_hwm, socat_fwd_hwm],
+        fwd_hwm,
     ));
-    if routes[2].is_some() {
+    if routes[index(Kind::Socat)].is_some() {
         notes.push(
             "figure 4: socat forks one process per connection and hop; its RSS column is \
              the listening parent only, not the thousands of children"
@@ -271,9 +324,9 @@ pub fn sign_in(dir: &Path, s: &Settings, notes: &mut Vec<String>) -> Vec<Row> {
     let empty = |notes: &mut Vec<String>, why: String| {
         notes.push(format!("figure 5 not measured: {why}"));
         vec![
-            Row::new("5", "sign-in p50 (Dovecot AUTH)", "ms", [None; 3])
+            Row::new("5", "sign-in p50 (Dovecot AUTH)", "ms", [None; 4])
                 .target("chain <= 1.2x direct", None),
-            Row::new("5", "sign-in p99 (Dovecot AUTH)", "ms", [None; 3]),
+            Row::new("5", "sign-in p99 (Dovecot AUTH)", "ms", [None; 4]),
         ]
     };
     if !e2e::dovecot::Dovecot::available() {
@@ -303,21 +356,13 @@ pub fn sign_in(dir: &Path, s: &Settings, notes: &mut Vec<String>) -> Vec<Row> {
     }
     drop(routes);
     drop(dovecot);
-    let [d, c, so] = p50.medians();
-    let mut rows = vec![
-        Row::new("5", "sign-in p50 (Dovecot AUTH)", "ms", [d, c, so])
-            .ratios(format!(
-                "{} {}",
-                fmt_ratio("chain/direct", ratio(c, d)),
-                fmt_ratio("chain/socat", ratio(c, so))
-            ))
-            .target("chain <= 1.2x direct", ratio(c, d).map(|r| r <= 1.2)),
-    ];
-    let [d, c, so] = p99.medians();
-    rows.push(
-        Row::new("5", "sign-in p99 (Dovecot AUTH)", "ms", [d, c, so])
-            .ratios(fmt_ratio("chain/direct", ratio(c, d))),
-    );
+    let v = p50.medians();
+    let [d, c, _, _] = v;
+    let mut rows = vec![Row::new("5", "sign-in p50 (Dovecot AUTH)", "ms", v)
+        .ratios(chain_ratios(v))
+        .target("chain <= 1.2x direct", ratio(c, d).map(|r| r <= 1.2))];
+    let v = p99.medians();
+    rows.push(Row::new("5", "sign-in p99 (Dovecot AUTH)", "ms", v).ratios(chain_ratios(v)));
     rows
 }
 
@@ -334,7 +379,7 @@ pub fn keygen(s: &Settings, notes: &mut Vec<String>) -> Vec<Row> {
         "8",
         format!("P-256 keygen + CSR, median of {}", s.keygens),
         "ms",
-        [None, v, None],
+        [None, v, None, None],
     )
     .target("<= 5 ms", v.map(|v| v <= 5.0))]
 }

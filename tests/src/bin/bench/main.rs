@@ -6,7 +6,7 @@
 //! ```
 //!
 //! Design:
-//! - **Same service, same client, three paths.** Every path ends at one in-process echo
+//! - **Same service, same client, four paths.** Every path ends at one in-process echo
 //!   service ([`echo`]) and is driven by the same client code ([`client`]); only the hops
 //!   differ ([`paths`], [`chain`]).
 //! - **Interleaved rounds, medians.** These machines are noisy. Each round measures every
@@ -32,6 +32,7 @@ mod echo;
 mod figures;
 mod guest;
 mod keygen;
+mod naive;
 mod paths;
 mod report;
 mod stats;
@@ -65,6 +66,8 @@ pub struct Settings {
     pub vm_sign_ins: usize,
     /// The paths to measure (`--paths`); all by default.
     pub paths: Vec<String>,
+    /// The figures to measure (`--figures`, "1" to "8"); all by default.
+    pub figures: Vec<String>,
 }
 
 impl Settings {
@@ -80,6 +83,7 @@ impl Settings {
             vm_boots: 3,
             vm_sign_ins: 200,
             paths: all_paths(),
+            figures: all_figures(),
         }
     }
 
@@ -95,6 +99,7 @@ impl Settings {
             vm_boots: 1,
             vm_sign_ins: 50,
             paths: all_paths(),
+            figures: all_figures(),
         }
     }
 
@@ -111,6 +116,7 @@ impl Settings {
             vm_boots: 1,
             vm_sign_ins: 3,
             paths: all_paths(),
+            figures: all_figures(),
         }
     }
 
@@ -119,10 +125,19 @@ impl Settings {
         self.paths.iter().any(|p| p == kind.name())
     }
 
+    /// Whether a figure is selected.
+    pub fn wants_figure(&self, fig: &str) -> bool {
+        self.figures.iter().any(|f| f == fig)
+    }
+
     /// The duration of one timed workload.
     pub fn window(&self) -> Duration {
         Duration::from_millis(self.window_ms)
     }
+}
+
+fn all_figures() -> Vec<String> {
+    (1..=8).map(|f| f.to_string()).collect()
 }
 
 fn all_paths() -> Vec<String> {
@@ -139,7 +154,8 @@ const USAGE: &str =
   --smoke       a tiny run that exercises every figure (CI)
   --rounds N    interleaved rounds per figure (default 5)
   --burst N     connections in the burst of figure 4 (default 5000)
-  --paths LIST  comma-separated subset of direct,chain,socat (e.g. to profile one)
+  --paths LIST  comma-separated subset of direct,chain,naive,socat (e.g. to profile one)
+  --figures LIST  comma-separated subset of 1-8 (e.g. 3 to profile connection setup)
   --vm-boots N  VM boots for the VM path under TCG (default 3; 0 skips it)";
 
 fn parse_args() -> anyhow::Result<(Settings, Option<PathBuf>)> {
@@ -147,6 +163,7 @@ fn parse_args() -> anyhow::Result<(Settings, Option<PathBuf>)> {
     let mut settings = Settings::full();
     let mut json = None;
     let (mut rounds, mut burst, mut only, mut vm_boots) = (None, None, None, None);
+    let mut figures = None;
     while let Some(a) = args.next() {
         let mut value = |name: &str| {
             args.next()
@@ -177,10 +194,20 @@ fn parse_args() -> anyhow::Result<(Settings, Option<PathBuf>)> {
                 let list: Vec<String> = v.split(',').map(str::to_string).collect();
                 for p in &list {
                     if !all_paths().contains(p) {
-                        bail!("--paths: unknown path {p:?}; choose from direct,chain,socat");
+                        bail!("--paths: unknown path {p:?}; choose from direct,chain,naive,socat");
                     }
                 }
                 only = Some(list);
+            }
+            "--figures" => {
+                let v = value("--figures")?;
+                let list: Vec<String> = v.split(',').map(str::to_string).collect();
+                for f in &list {
+                    if !all_figures().contains(f) {
+                        bail!("--figures: unknown figure {f:?}; choose from 1,2,3,4,5,6,7,8");
+                    }
+                }
+                figures = Some(list);
             }
             "-h" | "--help" => {
                 println!("{USAGE}");
@@ -197,6 +224,9 @@ fn parse_args() -> anyhow::Result<(Settings, Option<PathBuf>)> {
     }
     if let Some(p) = only {
         settings.paths = p;
+    }
+    if let Some(f) = figures {
+        settings.figures = f;
     }
     if let Some(b) = vm_boots {
         settings.vm_boots = b;
@@ -240,6 +270,13 @@ fn machine() -> serde_json::Value {
 }
 
 fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some(naive::SUBCOMMAND) {
+        let [_, listen, target] = &args[..] else {
+            bail!("usage: bench {} LISTEN_PATH TARGET_PATH", naive::SUBCOMMAND);
+        };
+        return naive::run(listen.as_ref(), target.into());
+    }
     let (settings, json) = parse_args()?;
     let nofile = raise_nofile();
     let machine = machine();
@@ -249,10 +286,20 @@ fn main() -> anyhow::Result<()> {
         .tempdir()
         .context("cannot create a temporary directory")?;
     let mut notes = Vec::new();
-    let mut rows = figures::sockets(dir.path(), &settings, &mut notes)?;
-    rows.extend(figures::sign_in(dir.path(), &settings, &mut notes));
-    rows.extend(guest::figures(dir.path(), &settings, &mut notes));
-    rows.extend(figures::keygen(&settings, &mut notes));
+    let wants = |figs: &[&str]| figs.iter().any(|f| settings.wants_figure(f));
+    let mut rows = Vec::new();
+    if wants(&["1", "2", "3", "4"]) {
+        rows.extend(figures::sockets(dir.path(), &settings, &mut notes)?);
+    }
+    if wants(&["5"]) {
+        rows.extend(figures::sign_in(dir.path(), &settings, &mut notes));
+    }
+    if wants(&["6", "7"]) {
+        rows.extend(guest::figures(dir.path(), &settings, &mut notes));
+    }
+    if wants(&["8"]) {
+        rows.extend(figures::keygen(&settings, &mut notes));
+    }
     let vm_rows = if settings.vm_boots > 0 {
         vm::figures(&settings, &mut notes)
     } else {

@@ -1,4 +1,4 @@
-//! The three paths under test, each ending at the same service.
+//! The four paths under test, each ending at the same service.
 //!
 //! - **direct**: the client connects to the service's own socket. The physical baseline.
 //! - **chain**: this project's path. The client connects to the app's socket served by
@@ -7,6 +7,8 @@
 //!   `<uds>`, listens (the hybrid-vsock convention); `host-relay` dials the service. In a
 //!   VM the middle hop is vsock through the VMM; here a Unix socket stands in for it, so
 //!   the figure is the cost of the two relays themselves.
+//! - **naive**: the relay a Rust programmer writes in an afternoon, two hops of
+//!   `tokio::io::copy_bidirectional` ([`super::naive`]), in the same places as the chain's.
 //! - **socat chain**: what users would otherwise pick, with the same two hops:
 //!   `socat UNIX-LISTEN:app,fork,backlog=4096 UNIX-CONNECT:mid` and
 //!   `socat UNIX-LISTEN:mid,fork,backlog=4096 UNIX-CONNECT:service`.
@@ -28,19 +30,22 @@ pub enum Kind {
     Direct,
     /// Client to guest-init to host-relay to service.
     Chain,
+    /// Client to two naive tokio relays to service.
+    Naive,
     /// Client to socat to socat to service.
     Socat,
 }
 
 impl Kind {
     /// All paths, in report order.
-    pub const ALL: [Kind; 3] = [Kind::Direct, Kind::Chain, Kind::Socat];
+    pub const ALL: [Kind; 4] = [Kind::Direct, Kind::Chain, Kind::Naive, Kind::Socat];
 
     /// The name used in tables and JSON.
     pub fn name(self) -> &'static str {
         match self {
             Kind::Direct => "direct",
             Kind::Chain => "chain",
+            Kind::Naive => "naive",
             Kind::Socat => "socat",
         }
     }
@@ -96,8 +101,26 @@ pub fn direct(service: &Path) -> Route {
 
 /// Waits until a socket file exists (a listener is bound), or fails naming it.
 pub fn wait_for_socket(path: &Path, child: &mut Child, what: &str) -> io::Result<()> {
+    wait_until(path, child, what, Path::exists)
+}
+
+/// Waits until a socket accepts connections, or fails naming it. A file that exists may
+/// not be listening yet (a connect between `bind` and `listen` is refused), so a path is
+/// measured only once a connect succeeds.
+pub fn wait_for_listener(path: &Path, child: &mut Child, what: &str) -> io::Result<()> {
+    wait_until(path, child, what, |p| {
+        std::os::unix::net::UnixStream::connect(p).is_ok()
+    })
+}
+
+fn wait_until(
+    path: &Path,
+    child: &mut Child,
+    what: &str,
+    ready: impl Fn(&Path) -> bool,
+) -> io::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !path.exists() {
+    while !ready(path) {
         if let Ok(Some(status)) = child.try_wait() {
             return Err(io::Error::other(format!(
                 "{what} exited ({status}) before {} appeared",
@@ -115,40 +138,74 @@ pub fn wait_for_socket(path: &Path, child: &mut Child, what: &str) -> io::Result
     Ok(())
 }
 
-/// The socat chain: two `UNIX-LISTEN,fork` → `UNIX-CONNECT` hops in front of `service`.
-pub fn socat(dir: &Path, service: &Path, tag: &str) -> io::Result<Route> {
-    let entry = dir.join(format!("socat-{tag}-app.sock"));
-    let mid = dir.join(format!("socat-{tag}-mid.sock"));
+/// Starts one process per hop, `listen` → `to`, first the hop nearest the service.
+fn hops(
+    kind: Kind,
+    entry: PathBuf,
+    mid: &Path,
+    service: &Path,
+    what: &str,
+    command: impl Fn(&Path, &Path) -> Command,
+) -> io::Result<Route> {
     let mut path = Route {
-        kind: Kind::Socat,
+        kind,
         entry: entry.clone(),
         forwarder_pid: None,
         relay_pid: None,
         children: Vec::new(),
     };
-    for (listen, to) in [(&mid, service), (&entry, mid.as_path())] {
-        let mut child = Command::new("socat")
-            .arg(format!(
-                "UNIX-LISTEN:{},fork,backlog=4096",
-                listen.display()
-            ))
-            .arg(format!("UNIX-CONNECT:{}", to.display()))
+    for (listen, to) in [(mid, service), (entry.as_path(), mid)] {
+        let mut child = command(listen, to)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .map_err(|e| io::Error::other(format!("cannot start socat: {e}")))?;
-        let r = wait_for_socket(listen, &mut child, "socat");
+            .map_err(|e| io::Error::other(format!("cannot start {what}: {e}")))?;
+        let r = wait_for_listener(listen, &mut child, what);
         let pid = child.id();
         path.children.push(child);
         r?;
-        if listen == &mid {
+        if listen == mid {
             path.relay_pid = Some(pid);
         } else {
             path.forwarder_pid = Some(pid);
         }
     }
     Ok(path)
+}
+
+/// The naive chain: two hops of this benchmark run as `bench naive-relay LISTEN TARGET`.
+pub fn naive(dir: &Path, service: &Path, tag: &str) -> io::Result<Route> {
+    let exe = std::env::current_exe()?;
+    let entry = dir.join(format!("naive-{tag}-app.sock"));
+    let mid = dir.join(format!("naive-{tag}-mid.sock"));
+    hops(
+        Kind::Naive,
+        entry,
+        &mid,
+        service,
+        "the naive relay",
+        |listen, to| {
+            let mut c = Command::new(&exe);
+            c.arg(super::naive::SUBCOMMAND).arg(listen).arg(to);
+            c
+        },
+    )
+}
+
+/// The socat chain: two `UNIX-LISTEN,fork` → `UNIX-CONNECT` hops in front of `service`.
+pub fn socat(dir: &Path, service: &Path, tag: &str) -> io::Result<Route> {
+    let entry = dir.join(format!("socat-{tag}-app.sock"));
+    let mid = dir.join(format!("socat-{tag}-mid.sock"));
+    hops(Kind::Socat, entry, &mid, service, "socat", |listen, to| {
+        let mut c = Command::new("socat");
+        c.arg(format!(
+            "UNIX-LISTEN:{},fork,backlog=4096",
+            listen.display()
+        ))
+        .arg(format!("UNIX-CONNECT:{}", to.display()));
+        c
+    })
 }
 
 /// Adds a started child to a path so it is stopped with it.

@@ -17,11 +17,13 @@ pub struct Row {
     pub metric: String,
     /// Unit of the values.
     pub unit: &'static str,
-    /// Value on the direct path.
+    /// Value on the direct path (in the VM table: the app dialling vsock itself).
     pub direct: Option<f64>,
-    /// Value on this project's chain.
+    /// Value on this project's chain (in the VM table: guest-init as the forwarder).
     pub chain: Option<f64>,
-    /// Value on the socat chain.
+    /// Value on the naive tokio relay chain.
+    pub naive: Option<f64>,
+    /// Value on the socat chain (in the VM table: socat as the forwarder).
     pub socat: Option<f64>,
     /// The ratios the target is stated in, e.g. `chain/direct=1.31`.
     pub ratios: String,
@@ -37,7 +39,7 @@ impl Row {
         figure: &'static str,
         metric: impl Into<String>,
         unit: &'static str,
-        [direct, chain, socat]: [Option<f64>; 3],
+        [direct, chain, naive, socat]: [Option<f64>; 4],
     ) -> Self {
         Row {
             figure,
@@ -45,6 +47,7 @@ impl Row {
             unit,
             direct,
             chain,
+            naive,
             socat,
             ratios: String::new(),
             target: String::new(),
@@ -94,9 +97,9 @@ fn fmt_value(v: Option<f64>) -> String {
 /// The table as text.
 pub fn render(rows: &[Row]) -> String {
     let header = [
-        "fig", "metric", "unit", "direct", "chain", "socat", "ratios", "target", "result",
+        "fig", "metric", "unit", "direct", "chain", "naive", "socat", "ratios", "target", "result",
     ];
-    let cells: Vec<[String; 9]> = rows
+    let cells: Vec<[String; 10]> = rows
         .iter()
         .map(|r| {
             [
@@ -105,6 +108,7 @@ pub fn render(rows: &[Row]) -> String {
                 r.unit.to_string(),
                 fmt_value(r.direct),
                 fmt_value(r.chain),
+                fmt_value(r.naive),
                 fmt_value(r.socat),
                 r.ratios.clone(),
                 r.target.clone(),
@@ -150,10 +154,10 @@ mod tests {
     #[test]
     fn renders_missing_values_and_verdicts() {
         let rows = vec![
-            Row::new("1", "RTT p50", "us", [Some(40.0), Some(60.0), None])
+            Row::new("1", "RTT p50", "us", [Some(40.0), Some(60.0), None, None])
                 .ratios(fmt_ratio("chain/direct", ratio(Some(60.0), Some(40.0))))
                 .target("<= 2x direct", Some(true)),
-            Row::new("4", "burst ok", "conns", [None, Some(3.0), None])
+            Row::new("4", "burst ok", "conns", [None, Some(3.0), None, None])
                 .target("5000 of 5000", Some(false)),
         ];
         let t = render(&rows);
