@@ -166,6 +166,7 @@ struct Keep {
     _control: Option<tokio::task::JoinHandle<()>>,
     _agent: Option<tokio::task::JoinHandle<()>>,
     _reenroll: Option<tokio::task::JoinHandle<()>>,
+    _renew: Option<tokio::task::JoinHandle<()>>,
 }
 
 /// Runs the VM's whole life: start-up, supervision and the orderly shutdown. `started` is
@@ -220,6 +221,10 @@ async fn live(cfg: &Config, started: Instant, keep: &mut Keep) -> Reason {
                 Err(e) => return fatal(e),
             }
         }
+        keep._renew = Some(tokio::spawn(crate::enroll::renew::run(
+            en.clone(),
+            agent.clone(),
+        )));
         if matches!(en.bootstrap, crate::enroll::BootstrapSource::Push { .. }) {
             keep._reenroll = Some(tokio::spawn(reenroll_on_push(en.clone(), agent)));
         }

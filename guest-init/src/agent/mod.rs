@@ -223,6 +223,29 @@ impl Handle {
     }
 }
 
+impl Handle {
+    /// The certificate was renewed (same identity, same key): new handshakes present
+    /// `cert_der`; connections already open stay, they are the same identity.
+    pub fn renewed(&self, cert_der: Vec<u8>, key: Arc<dyn MachineKey>, not_after: i64) {
+        self.shared.enrolled.replace(cert_der, key);
+        let mut current = self
+            .shared
+            .current
+            .write()
+            .unwrap_or_else(|p| p.into_inner());
+        *current = Arc::new(Generation {
+            no: current.no,
+            identity: current.identity.clone(),
+            epoch: current.epoch,
+            not_after,
+        });
+        crate::info!(
+            "agent: serving the renewed certificate of {} from now on",
+            current.identity
+        );
+    }
+}
+
 /// Binds the listener and spawns the accept loop on the current runtime.
 pub fn start(
     cfg: &AgentConfig,

@@ -47,6 +47,7 @@ pub mod material;
 pub mod memory_store;
 pub mod protocol;
 pub mod push;
+pub mod renew;
 pub mod state;
 #[cfg(feature = "tpm")]
 pub mod tpm;
@@ -140,6 +141,11 @@ pub struct EnrollConfig {
     /// source it is optional; when set, the material's `management_ca` must be this CA.
     #[serde(default)]
     pub management_ca: Option<ca::ManagementCa>,
+    /// When PID 1 renews the certificate, as a percentage of its lifetime (notBefore to
+    /// notAfter), over mutual TLS with the certificate itself (see [`renew`]). Default 67;
+    /// 10 to 90.
+    #[serde(default = "renew::default_percent")]
+    pub renew_at_percent_of_lifetime: u8,
 }
 
 /// An enrollment error. Messages never contain the token or key material.
@@ -289,6 +295,7 @@ pub fn validate(cfg: &EnrollConfig) -> Result<(), String> {
     if cfg.timeout_ms == 0 {
         return Err("timeout_ms: must be at least 1".into());
     }
+    renew::validate_percent(cfg.renew_at_percent_of_lifetime)?;
     let r = &cfg.retry;
     if r.max_attempts == 0 || r.initial_ms == 0 || r.max_ms < r.initial_ms {
         return Err(
@@ -440,6 +447,9 @@ pub struct Credentials {
     pub cert_der: Vec<u8>,
     /// The management CA it was verified against.
     pub ca: ca::ManagementCa,
+    /// The enrollment port the certificate came through (renewal dials it again), when
+    /// recorded.
+    pub enrollment_port: Option<u32>,
 }
 
 /// The credentials in force after [`boot_step`] succeeded.

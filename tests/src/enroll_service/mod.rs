@@ -32,6 +32,10 @@
 //!   committed certificates denies a new commit with `capacity_exhausted` (final); it never
 //!   evicts a credential to make room. Answering an identical CSR needs no room.
 //!
+//! - **Renewal** ([`renew`]): on the same per-VM socket, mutual TLS 1.3 with the enrolled
+//!   certificate; the current identity is checked on every renewal, and the CSR's key must
+//!   be the client certificate's.
+//!
 //! Test hooks: [`EnrollService::advance_clock`] moves the service's clock forward,
 //! [`EnrollService::stall_after_commit`] makes the next request stall after its commit and
 //! before its answer (a guest killed "between send and receive", or a reset during
@@ -54,6 +58,7 @@ use sha2::{Digest, Sha256};
 use vm_transport::Endpoint;
 
 pub mod current;
+mod renew;
 mod rules;
 
 use current::Controller;
@@ -106,6 +111,8 @@ pub struct RequestRecord {
     pub code: Option<ErrorCode>,
     /// The certificate returned, on success.
     pub cert: Option<Vec<u8>>,
+    /// A renewal over mutual TLS (not an enrollment with a token).
+    pub renewal: bool,
 }
 
 struct Inner {
@@ -121,6 +128,8 @@ struct Inner {
     stalled: Mutex<u32>,
     fail_next: Mutex<(u32, ErrorCode)>,
     requests: Mutex<Vec<RequestRecord>>,
+    /// The renewal endpoint's TLS configuration, made on first use ([`renew`]).
+    renew_tls: std::sync::OnceLock<Arc<rustls::ServerConfig>>,
 }
 
 /// The reference enrollment service. Runs its own tokio runtime.
@@ -169,6 +178,7 @@ impl EnrollService {
                 stalled: Mutex::new(0),
                 fail_next: Mutex::new((0, ErrorCode::Unavailable)),
                 requests: Mutex::new(Vec::new()),
+                renew_tls: std::sync::OnceLock::new(),
             }),
             rt: Some(rt),
             sockets: Mutex::new(Vec::new()),
@@ -295,7 +305,7 @@ impl EnrollService {
                 };
                 let inner = inner.clone();
                 let vm = vm.clone();
-                tokio::spawn(async move { inner.serve(conn, &vm).await });
+                tokio::spawn(async move { inner.serve_any(conn, &vm).await });
             }
         });
         Ok(())

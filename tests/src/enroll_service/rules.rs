@@ -36,6 +36,15 @@ impl Inner {
             .unwrap_or(0)
     }
 
+    /// The [`super::EnrollService::fail_next`] hook: the next injected answer, if any.
+    pub(super) fn injected_failure(&self) -> Option<Response> {
+        let mut fail = lock(&self.fail_next);
+        (fail.0 > 0).then(|| {
+            fail.0 -= 1;
+            Response::error(fail.1, "test hook: try again")
+        })
+    }
+
     pub(super) async fn serve(self: Arc<Self>, mut conn: vm_transport::Conn, vm_uid: &str) {
         let line = tokio::time::timeout(
             Duration::from_secs(10),
@@ -47,6 +56,7 @@ impl Inner {
             csr: None,
             code: None,
             cert: None,
+            renewal: false,
         };
         let resp = match line {
             Err(_) => Response::error(ErrorCode::Timeout, "no request line within 10 s"),
@@ -84,12 +94,8 @@ impl Inner {
             return Response::error(ErrorCode::BadRequest, "csr is not base64");
         };
         record.csr = Some(csr_der.clone());
-        {
-            let mut fail = lock(&self.fail_next);
-            if fail.0 > 0 {
-                fail.0 -= 1;
-                return Response::error(fail.1, "test hook: try again");
-            }
+        if let Some(resp) = self.injected_failure() {
+            return resp;
         }
         let token_hash: [u8; 32] = Sha256::digest(req.token.as_bytes()).into();
         drop(req);
@@ -245,7 +251,7 @@ impl Inner {
     }
 
     /// Signs the certificate; returns it and its `notAfter` (Unix seconds).
-    fn issue(
+    pub(super) fn issue(
         &self,
         csr: CertificateSigningRequestParams,
         binding: &Identity,

@@ -31,6 +31,8 @@ use x509_parser::prelude::*;
 mod denials;
 /// The pinned management CA (a second CA on the enrollment port) and the guest clock.
 mod pinned_ca;
+/// Renewal over mutual TLS with the enrolled key, without the token.
+mod renewal;
 /// The state machine with the TPM store (swtpm, no VM).
 mod tpm;
 

@@ -76,6 +76,7 @@ use super::{files, verify, EnrollError};
 use vm_transport::vsock::VMADDR_CID_HOST;
 use vm_transport::Endpoint;
 
+mod renewed;
 #[cfg(test)]
 mod scenarios;
 mod store;
@@ -359,6 +360,7 @@ impl Enroller<'_> {
                     .map_err(EnrollError::BadCertificate)
                 });
         let ca = material.management_ca.clone();
+        let enrollment_port = material.enrollment_port;
         drop(material);
         let cert = match exchanged {
             Ok(cert) => cert,
@@ -390,6 +392,7 @@ impl Enroller<'_> {
             &EnrolledRecord {
                 identity: id.clone(),
                 slot: slot.clone(),
+                enrollment_port: Some(enrollment_port),
             },
         )?;
         self.publish(&cert)?;
@@ -541,6 +544,7 @@ mod tests {
             &EnrolledRecord {
                 identity: id(),
                 slot: live.clone(),
+                enrollment_port: None,
             },
         )
         .unwrap();

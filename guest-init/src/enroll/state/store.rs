@@ -38,6 +38,10 @@ pub(super) struct FloorRecord {
 pub(super) struct EnrolledRecord {
     pub(super) identity: Identity,
     pub(super) slot: String,
+    /// The material's enrollment port, for renewal after the material is gone (absent in
+    /// records of older guest-inits).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) enrollment_port: Option<u32>,
 }
 
 impl Enroller<'_> {
@@ -128,6 +132,7 @@ impl Enroller<'_> {
             key,
             cert_der,
             ca,
+            enrollment_port: e.enrollment_port,
         })
     }
 
