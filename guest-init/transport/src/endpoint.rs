@@ -262,6 +262,58 @@ mod tests {
     }
 
     #[test]
+    fn validate_names_what_is_wrong_and_accepts_the_rest() {
+        let unix = |p: &str| Endpoint::Unix(p.into());
+        let err = unix("run/x.sock").validate().unwrap_err();
+        assert!(err.contains("relative; use an absolute path"), "{err}");
+        // The endpoint syntax where a plain path belongs: the fix is spelled out.
+        let err = unix("unix:/run/x.sock").validate().unwrap_err();
+        assert!(
+            err.contains("takes a plain path; write /run/x.sock"),
+            "{err}"
+        );
+        // sun_path holds 108 bytes with its NUL: 107 fit, 108 do not.
+        let fits = format!("/{}", "a".repeat(106));
+        assert_eq!(unix(&fits).validate(), Ok(()));
+        let err = unix(&format!("{fits}b")).validate().unwrap_err();
+        assert!(err.contains("longer than the 107 bytes"), "{err}");
+        let err = Endpoint::Vsock {
+            cid: 2,
+            port: VMADDR_PORT_ANY,
+        }
+        .validate()
+        .unwrap_err();
+        assert!(err.contains("cannot be dialled"), "{err}");
+        assert_eq!(Endpoint::Vsock { cid: 2, port: 5001 }.validate(), Ok(()));
+        assert_eq!(
+            "tcp:127.0.0.1:80".parse::<Endpoint>().unwrap().validate(),
+            Ok(())
+        );
+        assert_eq!(unix("/run/x.sock").validate(), Ok(()));
+    }
+
+    #[test]
+    fn unix_path_only_for_unix_endpoints() {
+        let p = Path::new("/run/x.sock");
+        assert_eq!(Endpoint::Unix(p.into()).unix_path(), Some(p));
+        assert_eq!(Endpoint::Vsock { cid: 2, port: 1 }.unix_path(), None);
+        assert_eq!(
+            "tcp:127.0.0.1:80".parse::<Endpoint>().unwrap().unix_path(),
+            None
+        );
+    }
+
+    #[test]
+    fn new_sockets_are_nonblocking_and_close_on_exec_as_the_kernel_reports() {
+        use nix::fcntl::{fcntl, FcntlArg, FdFlag, OFlag};
+        let fd = new_socket(AddressFamily::Unix).unwrap();
+        let fl = OFlag::from_bits_truncate(fcntl(&fd, FcntlArg::F_GETFL).unwrap());
+        assert!(fl.contains(OFlag::O_NONBLOCK));
+        let fd_flags = FdFlag::from_bits_truncate(fcntl(&fd, FcntlArg::F_GETFD).unwrap());
+        assert!(fd_flags.contains(FdFlag::FD_CLOEXEC));
+    }
+
+    #[test]
     fn json_form() {
         let e: Endpoint = serde_json::from_str(r#"{"vsock":{"cid":2,"port":5001}}"#).unwrap();
         assert_eq!(e, Endpoint::Vsock { cid: 2, port: 5001 });
