@@ -26,6 +26,8 @@
 //! - `write-and-wait PATH SIZE [--ignore-term]`: writes SIZE bytes of a fixed pattern to
 //!   PATH without `fsync`, then waits for SIGTERM (or ignores it), for the data-safety tests
 //!   of every way of stopping (`guest-probe/write_wait.rs`).
+//! - `tick PATH`: appends a line to PATH every 100 ms, forever; `size PATH`: prints
+//!   `size PATH N` — a job whose life the host watches from outside (`guest-probe/tick.rs`).
 //!
 //! A trailing `--then-sleep` makes it wait for SIGTERM after the action (exit 0), so the
 //! app stays up until the host stops the VM. Exit status: 0 when the action's expectation
@@ -53,6 +55,8 @@ macro_rules! say {
 // The crate root looks for modules beside itself: point at this binary's own directory.
 #[path = "guest-probe/cid.rs"]
 mod cid;
+#[path = "guest-probe/tick.rs"]
+mod tick;
 #[path = "guest-probe/write_wait.rs"]
 mod write_wait;
 #[path = "guest-probe/zombies.rs"]
@@ -510,6 +514,18 @@ fn main() -> ExitCode {
             } else {
                 ExitCode::from(1)
             };
+        }
+        "tick" => {
+            let Some(path) = args.get(1) else {
+                return usage("tick PATH");
+            };
+            tick::tick(path)
+        }
+        "size" => {
+            let Some(path) = args.get(1) else {
+                return usage("size PATH");
+            };
+            tick::size(path)
         }
         other => return usage(&format!("unknown subcommand {other:?}")),
     };

@@ -23,7 +23,7 @@ use guest_init::enroll::identity::Identity;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 
 /// An operator certificate and its PKCS#8 key, both DER.
-type Credential = (Vec<u8>, Vec<u8>);
+pub(crate) type Credential = (Vec<u8>, Vec<u8>);
 
 const TOKEN: &str = "tok_AGENT_SECRET_0123456789abcdefghijklmnopqrstuv";
 
@@ -169,48 +169,73 @@ impl Guest {
         client: Option<&Credential>,
         request: &str,
     ) -> Result<serde_json::Value, String> {
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let builder = rustls::ClientConfig::builder_with_provider(provider)
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .unwrap()
-            .dangerous()
-            .with_custom_certificate_verifier(Arc::new(Pinned(self.published())));
-        let config = match client {
-            Some((cert, key)) => builder
-                .with_client_auth_cert(
-                    vec![CertificateDer::from(cert.clone())],
-                    PrivateKeyDer::Pkcs8(key.clone().into()),
-                )
-                .unwrap(),
-            None => builder.with_no_client_auth(),
-        };
-        let conn =
-            rustls::ClientConnection::new(Arc::new(config), ServerName::try_from("guest").unwrap())
-                .unwrap();
+        let config = client_config(Arc::new(Pinned(self.published())), client);
         let sock = std::os::unix::net::UnixStream::connect(self.sock()).unwrap();
-        sock.set_read_timeout(Some(Duration::from_secs(60)))
-            .unwrap();
-        let mut tls = rustls::StreamOwned::new(conn, sock);
-        // A refused client may find the connection closed while it still writes; the
-        // server's alert is then still there to read.
-        let wrote = tls
-            .write_all(format!("{request}\n").as_bytes())
-            .and_then(|()| tls.flush());
-        let mut answer = String::new();
-        let read = match wrote {
-            Ok(()) => tls.read_to_string(&mut answer).map(drop),
-            Err(e) => Err(e),
-        };
-        if let Err(e) = read {
-            // rustls' stream writes what is pending before it reads, and fails again on
-            // the closed socket: read the server's last records directly.
-            return Err(match alert(&mut tls.conn, &mut tls.sock) {
-                Some(a) => a,
-                None => e.to_string(),
-            });
-        }
-        serde_json::from_str(&answer).map_err(|e| format!("not JSON ({e}): {answer}"))
+        exchange(config, sock, request).map(|(answer, _)| answer)
     }
+}
+
+/// A TLS 1.3 client (rustls with ring) judging the guest with `verifier` and presenting
+/// `client` (certificate and PKCS#8 key), or no certificate.
+pub(crate) fn client_config(
+    verifier: Arc<dyn rustls::client::danger::ServerCertVerifier>,
+    client: Option<&Credential>,
+) -> Arc<rustls::ClientConfig> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .dangerous()
+        .with_custom_certificate_verifier(verifier);
+    Arc::new(match client {
+        Some((cert, key)) => builder
+            .with_client_auth_cert(
+                vec![CertificateDer::from(cert.clone())],
+                PrivateKeyDer::Pkcs8(key.clone().into()),
+            )
+            .unwrap(),
+        None => builder.with_no_client_auth(),
+    })
+}
+
+/// Sends `request` over TLS on `sock` (connected to the agent) and returns the answer's
+/// JSON and the certificate the guest presented, or the TLS error the client saw.
+pub(crate) fn exchange(
+    config: Arc<rustls::ClientConfig>,
+    sock: std::os::unix::net::UnixStream,
+    request: &str,
+) -> Result<(serde_json::Value, Vec<u8>), String> {
+    let conn =
+        rustls::ClientConnection::new(config, ServerName::try_from("guest").unwrap()).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let mut tls = rustls::StreamOwned::new(conn, sock);
+    // A refused client may find the connection closed while it still writes; the
+    // server's alert is then still there to read.
+    let wrote = tls
+        .write_all(format!("{request}\n").as_bytes())
+        .and_then(|()| tls.flush());
+    let mut answer = String::new();
+    let read = match wrote {
+        Ok(()) => tls.read_to_string(&mut answer).map(drop),
+        Err(e) => Err(e),
+    };
+    if let Err(e) = read {
+        // rustls' stream writes what is pending before it reads, and fails again on
+        // the closed socket: read the server's last records directly.
+        return Err(match alert(&mut tls.conn, &mut tls.sock) {
+            Some(a) => a,
+            None => e.to_string(),
+        });
+    }
+    let served = tls
+        .conn
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .map(|c| c.to_vec())
+        .unwrap_or_default();
+    let answer = serde_json::from_str(&answer).map_err(|e| format!("not JSON ({e}): {answer}"))?;
+    Ok((answer, served))
 }
 
 /// The error (an alert, usually) in what the server sent before it closed.

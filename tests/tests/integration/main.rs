@@ -10,6 +10,7 @@ mod support;
 
 mod agent_e2e;
 mod agent_vm;
+mod agent_vm_lifecycle;
 mod bench_smoke;
 mod enroll_disk;
 mod enroll_e2e;
@@ -25,5 +26,6 @@ mod relay_other_app_unreachable;
 mod relay_radicale_chain;
 mod relay_undeclared_refused;
 mod vm_e2e;
+mod vm_guest;
 mod vm_radicale;
 mod vm_stop;
