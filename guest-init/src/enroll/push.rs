@@ -1,8 +1,10 @@
 //! The one-time bootstrap push: the host hands the guest its material over a socket.
 //!
-//! The guest listens (vsock in a VM, a Unix socket in tests); the host connects, writes
-//! the JSON document and shuts down its write side; the guest answers `ok\n` or
-//! `error <reason>\n`. The document is parsed by [`Material::parse`] like a file's.
+//! The guest listens (vsock in a VM, a Unix socket in tests); the host connects and writes
+//! the JSON object; the guest reads until the object closes (or end of stream) and answers
+//! `ok\n` or `error <reason>\n`. The document is parsed by [`Material::parse`] like a
+//! file's. The end of the object, not a half-close, ends the document: vhost-device-vsock
+//! turns the host's `shutdown(SHUT_WR)` into a full close, which would lose the answer.
 //!
 //! Threat: a peer other than the host pushing (vsock CID check, root check on Unix), a
 //! refused pusher never seeing its answer (the rest of its input is drained, bounded), a
@@ -22,8 +24,8 @@ use vm_transport::{Conn, Endpoint, Peer};
 /// Waits for the host to push bootstrap material once, on `listen`.
 ///
 /// Only the host may push: on vsock the peer's CID must be 2 (the kernel sets it, the peer
-/// cannot), on a Unix socket the peer must be root. The host writes the JSON and shuts
-/// down its write side; the guest answers `ok\n` or `error <reason>\n` (a reason without
+/// cannot), on a Unix socket the peer must be root. The host writes the JSON object (a
+/// half-close after it is allowed, not needed); the guest answers `ok\n` or `error <reason>\n` (a reason without
 /// input values). A bad push is answered and the guest keeps listening, so one mistaken
 /// connection cannot make the VM give up; the first good one ends the wait. The material
 /// is kept in memory only: a restarted guest needs a new push.

@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 
 use base64::Engine;
 use e2e::enroll_service::EnrollService;
-use e2e::util::{musl_bin, on_each_kernel, require_vm_host, test_kernels};
 use guest_init::enroll::identity::Identity;
 use host_relay::agent_client::{CallError, Client, Target};
 use qemu_harness::Vm;
@@ -24,8 +23,8 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use serde_json::json;
 
 use crate::vm_guest::{
-    accounts, guest_config, identity, initramfs_vm, service, AGENT_PORT, BOOTSTRAP, ENROLL_PORT,
-    PROBE,
+    accounts, each_kernel, guest_config, identity, initramfs_vm, service, AGENT_PORT, BOOTSTRAP,
+    ENROLL_PORT, PROBE,
 };
 
 const TOKEN: &str = "tok_AGENTVM_SECRET_0123456789abcdefghijklmnopq";
@@ -79,15 +78,7 @@ fn median_ms(mut v: Vec<Duration>) -> f64 {
 #[test]
 fn the_agent_serves_operators_over_vsock_and_the_host_checks_the_current_identity() {
     let _l = crate::support::heavy_lock();
-    if !require_vm_host() {
-        return;
-    }
-    let Some(kernels) = test_kernels() else {
-        return;
-    };
-    let guest_init = musl_bin("guest-init");
-    let probe = musl_bin("guest-probe");
-    on_each_kernel(&kernels, |kernel| {
+    each_kernel(true, |kernel, bins| {
         let dir = tempfile::tempdir().unwrap();
         let (svc, svc_sock) = service(dir.path());
         let id = identity(3);
@@ -107,14 +98,7 @@ fn the_agent_serves_operators_over_vsock_and_the_host_checks_the_current_identit
         config["agent"] = agent_section();
         let mut files = accounts();
         files.push((BOOTSTRAP, material.to_string().into_bytes(), 0o600));
-        let vm_spec = initramfs_vm(
-            "agent",
-            kernel,
-            (&guest_init, &probe),
-            config,
-            files,
-            &svc_sock,
-        );
+        let vm_spec = initramfs_vm("agent", kernel, bins, config, files, &svc_sock);
         let target = Target::Hybrid(vm_spec.vsock_uds(), AGENT_PORT);
 
         let mut vm = Vm::boot(vm_spec).expect("boot");

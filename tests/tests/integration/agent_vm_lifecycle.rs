@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 
 use base64::Engine;
 use e2e::enroll_service::EnrollService;
-use e2e::util::{have_program, musl_bin, on_each_kernel, require, require_vm_host, test_kernels};
+use e2e::util::{have_program, require};
 use host_relay::agent_client::GuestAuthorizer;
 use qemu_harness::process::tail;
 use qemu_harness::Vm;
@@ -46,7 +46,8 @@ use serde_json::{json, Value};
 use crate::agent_e2e::{client_config, exchange, Credential};
 use crate::agent_vm::{agent_section, write_current};
 use crate::vm_guest::{
-    accounts, guest_config, identity, initramfs_vm, service, AGENT_PORT, ENROLL_PORT, PROBE,
+    accounts, each_kernel, guest_config, identity, initramfs_vm, service, AGENT_PORT, ENROLL_PORT,
+    PROBE,
 };
 
 const PUSH_PORT: u32 = 1026;
@@ -136,15 +137,8 @@ fn ok(answer: &Value) -> &Value {
 #[test]
 fn the_agent_refuses_renews_rotates_on_a_pushed_epoch_and_stops_in_a_vm_with_a_tpm() {
     let _l = crate::support::heavy_lock();
-    if !require_vm_host() || !require(have_program("swtpm"), "swtpm (apt-get install swtpm)") {
-        return;
-    }
-    let Some(kernels) = test_kernels() else {
-        return;
-    };
-    let guest_init = musl_bin("guest-init");
-    let probe = musl_bin("guest-probe");
-    on_each_kernel(&kernels, |kernel| {
+    let swtpm = require(have_program("swtpm"), "swtpm (apt-get install swtpm)");
+    each_kernel(swtpm, |kernel, bins| {
         let work = tempfile::tempdir().unwrap();
         let (svc, svc_sock) = service(work.path());
         svc.set_cert_lifetime(LIFETIME);
@@ -167,14 +161,7 @@ fn the_agent_refuses_renews_rotates_on_a_pushed_epoch_and_stops_in_a_vm_with_a_t
         );
         config["control"]["with_agent"] = json!(true);
         config["agent"] = agent_section();
-        let mut spec = initramfs_vm(
-            "agent-life",
-            kernel,
-            (&guest_init, &probe),
-            config,
-            accounts(),
-            &svc_sock,
-        );
+        let mut spec = initramfs_vm("agent-life", kernel, bins, config, accounts(), &svc_sock);
         spec.tpm_state = Some(work.path().join("tpm"));
         spec.ready_timeout = Duration::from_secs(300);
 

@@ -13,24 +13,17 @@
 
 use std::time::Duration;
 
-use e2e::util::{musl_bin, on_each_kernel, require_vm_host, test_kernels};
 use qemu_harness::Vm;
 use serde_json::json;
 
-use crate::vm_guest::{guest_config, identity, initramfs_vm, service, BOOTSTRAP, ENROLL_PORT};
+use crate::vm_guest::{
+    each_kernel, guest_config, identity, initramfs_vm, service, BOOTSTRAP, ENROLL_PORT,
+};
 
 #[test]
 fn vm_enrolls_through_vsock_and_host_relay_before_the_app_starts() {
     let _l = crate::support::heavy_lock();
-    if !require_vm_host() {
-        return;
-    }
-    let Some(kernels) = test_kernels() else {
-        return;
-    };
-    let guest_init = musl_bin("guest-init");
-    let probe = musl_bin("guest-probe");
-    on_each_kernel(&kernels, |kernel| {
+    each_kernel(true, |kernel, bins| {
         let svc_dir = tempfile::tempdir().unwrap();
         let (svc, svc_sock) = service(svc_dir.path());
         let id = identity(u64::MAX);
@@ -51,7 +44,7 @@ fn vm_enrolls_through_vsock_and_host_relay_before_the_app_starts() {
         let vm_spec = initramfs_vm(
             "enroll",
             kernel,
-            (&guest_init, &probe),
+            bins,
             config,
             vec![(BOOTSTRAP, material.to_string().into_bytes(), 0o600)],
             &svc_sock,

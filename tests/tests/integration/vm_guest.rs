@@ -10,7 +10,7 @@
 use std::path::{Path, PathBuf};
 
 use e2e::enroll_service::EnrollService;
-use e2e::util::host_bin;
+use e2e::util::{host_bin, musl_bin, on_each_kernel, require_vm_host, test_kernels};
 use guest_init::enroll::identity::Identity;
 use qemu_harness::{Image, Kernel, RelaySpec, VmSpec};
 use serde_json::{json, Value};
@@ -23,6 +23,21 @@ pub(crate) const APP_UID: u32 = 20001;
 pub(crate) const PROBE: &str = "/bin/guest-probe";
 pub(crate) const BOOTSTRAP: &str = "/etc/guest-init/bootstrap.json";
 pub(crate) const VM_UID: &str = "vm-1";
+
+/// Runs `body` on each guest kernel with the musl `guest-init` and `guest-probe`, when
+/// `ready` (the test's own requirements, already checked with `require`) holds and this
+/// host can run VMs; otherwise returns (the requirement skipped or failed the test).
+pub(crate) fn each_kernel(ready: bool, mut body: impl FnMut(&Kernel, (&Path, &Path))) {
+    if !ready || !require_vm_host() {
+        return;
+    }
+    let Some(kernels) = test_kernels() else {
+        return;
+    };
+    let guest_init = musl_bin("guest-init");
+    let probe = musl_bin("guest-probe");
+    on_each_kernel(&kernels, |kernel| body(kernel, (&guest_init, &probe)));
+}
 
 /// The identity every one of these VMs enrolls as, at `epoch`.
 pub(crate) fn identity(epoch: u64) -> Identity {
