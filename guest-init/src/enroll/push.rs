@@ -25,8 +25,8 @@ use vm_transport::{Conn, Endpoint, Peer};
 ///
 /// Only the host may push: on vsock the peer's CID must be 2 (the kernel sets it, the peer
 /// cannot), on a Unix socket the peer must be root. The host writes the JSON object (a
-/// half-close after it is allowed, not needed); the guest answers `ok\n` or `error <reason>\n` (a reason without
-/// input values). A bad push is answered and the guest keeps listening, so one mistaken
+/// half-close after it is allowed, not needed); the guest answers `ok\n` or
+/// `error <reason>\n` (a reason without input values). A bad push is answered and the guest keeps listening, so one mistaken
 /// connection cannot make the VM give up; the first good one ends the wait. The material
 /// is kept in memory only: a restarted guest needs a new push.
 ///
