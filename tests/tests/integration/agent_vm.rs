@@ -23,8 +23,8 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use serde_json::json;
 
 use crate::vm_guest::{
-    accounts, each_kernel, guest_config, identity, initramfs_vm, service, AGENT_PORT, BOOTSTRAP,
-    ENROLL_PORT, PROBE,
+    accounts, each_kernel, guest_config, identity, initramfs_vm, material, service, AGENT_PORT,
+    BOOTSTRAP, PROBE,
 };
 
 const TOKEN: &str = "tok_AGENTVM_SECRET_0123456789abcdefghijklmnopq";
@@ -82,10 +82,7 @@ fn the_agent_serves_operators_over_vsock_and_the_host_checks_the_current_identit
         let dir = tempfile::tempdir().unwrap();
         let (svc, svc_sock) = service(dir.path());
         let id = identity(3);
-        let expires = svc
-            .register(TOKEN, &id, Duration::from_secs(15 * 60))
-            .unwrap();
-        let material = svc.material_json(TOKEN, &id, expires, ENROLL_PORT);
+        let material = material(&svc, TOKEN, &id);
         let mut config = guest_config(
             "vm-agent",
             vm_image::VSOCK_MODULES,

@@ -46,8 +46,8 @@ use serde_json::{json, Value};
 use crate::agent_e2e::{client_config, exchange, Credential};
 use crate::agent_vm::{agent_section, write_current};
 use crate::vm_guest::{
-    accounts, each_kernel, guest_config, identity, initramfs_vm, service, AGENT_PORT, ENROLL_PORT,
-    PROBE,
+    accounts, each_kernel, guest_config, identity, initramfs_vm, material, service, AGENT_PORT,
+    ENROLL_PORT, PROBE,
 };
 
 const PUSH_PORT: u32 = 1026;
@@ -143,10 +143,7 @@ fn the_agent_refuses_renews_rotates_on_a_pushed_epoch_and_stops_in_a_vm_with_a_t
         let (svc, svc_sock) = service(work.path());
         svc.set_cert_lifetime(LIFETIME);
         let id3 = identity(3);
-        let expires = svc
-            .register(TOKEN_3, &id3, Duration::from_secs(15 * 60))
-            .unwrap();
-        let material3 = svc.material_json(TOKEN_3, &id3, expires, ENROLL_PORT);
+        let material3 = material(&svc, TOKEN_3, &id3);
         let mut config = guest_config(
             "vm-agent-life",
             vm_image::VSOCK_MODULES,
@@ -275,10 +272,7 @@ fn the_agent_refuses_renews_rotates_on_a_pushed_epoch_and_stops_in_a_vm_with_a_t
 
             // The platform raises the epoch: registers and pushes epoch 4's material, and
             // the controller's current identity moves to epoch 4.
-            let expires = svc
-                .register(TOKEN_4, &id4, Duration::from_secs(15 * 60))
-                .unwrap();
-            let material4 = svc.material_json(TOKEN_4, &id4, expires, ENROLL_PORT);
+            let material4 = material(&svc, TOKEN_4, &id4);
             let t = Instant::now();
             push(&mut vm, &material4.to_string());
             write_current(&current, &id4, 4);
@@ -319,7 +313,7 @@ fn the_agent_refuses_renews_rotates_on_a_pushed_epoch_and_stops_in_a_vm_with_a_t
                 .find(what)
                 .unwrap_or_else(|| panic!("no {what:?} on the console:\n{}", tail(&console, 60)))
         };
-        let closed = at(&format!("agent: closed the connection from vsock:2:"));
+        let closed = at("agent: closed the connection from vsock:2:");
         assert!(
             console[closed..]
                 .lines()

@@ -19,9 +19,9 @@ use sha2::{Digest, Sha256};
 use vm_image::initramfs::InitramfsSpec;
 use vm_image::rootdisk::RootDiskSpec;
 
-use crate::vm_guest::{add_enroll_relay, guest_config, identity, service};
+use crate::vm_guest::{add_enroll_relay, guest_config, identity, material, service};
 
-pub(crate) use crate::vm_guest::{BOOTSTRAP, ENROLL_PORT, PROBE, VM_UID};
+pub(crate) use crate::vm_guest::{BOOTSTRAP, PROBE, VM_UID};
 pub(crate) const STATE_DIR: &str = "/var/lib/guest-init/enroll";
 
 /// Generous: boot-to-ready under TCG on this shared machine has been 7 to 20 s.
@@ -281,10 +281,7 @@ pub(crate) fn service_and_disk(
     // The service, its endpoint for this VM, and the token bound to the VM's identity.
     let (svc, svc_sock) = service(work);
     let id = identity(7);
-    let expires = svc
-        .register(token, &id, Duration::from_secs(15 * 60))
-        .unwrap();
-    let material = svc.material_json(token, &id, expires, ENROLL_PORT);
+    let material = material(&svc, token, &id);
 
     // The root disk: the app and the bootstrap material; the guest adds its state.
     let tree = work.join("root");

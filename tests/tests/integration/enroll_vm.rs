@@ -11,13 +11,11 @@
 //!
 //! One VM per test binary run, under a process-wide lock like the other VM tests.
 
-use std::time::Duration;
-
 use qemu_harness::Vm;
 use serde_json::json;
 
 use crate::vm_guest::{
-    each_kernel, guest_config, identity, initramfs_vm, service, BOOTSTRAP, ENROLL_PORT,
+    each_kernel, guest_config, identity, initramfs_vm, material, service, BOOTSTRAP,
 };
 
 #[test]
@@ -28,10 +26,7 @@ fn vm_enrolls_through_vsock_and_host_relay_before_the_app_starts() {
         let (svc, svc_sock) = service(svc_dir.path());
         let id = identity(u64::MAX);
         let token = "tok_VM_SECRET_0123456789abcdefghijklmnopqrstuv";
-        let expires = svc
-            .register(token, &id, Duration::from_secs(15 * 60))
-            .unwrap();
-        let material = svc.material_json(token, &id, expires, ENROLL_PORT);
+        let material = material(&svc, token, &id);
 
         let config = guest_config(
             "vm-enroll",

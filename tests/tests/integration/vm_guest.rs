@@ -59,6 +59,15 @@ pub(crate) fn service(work: &Path) -> (EnrollService, PathBuf) {
     (svc, sock)
 }
 
+/// Registers `token` for `id` (valid 15 minutes) and returns the bootstrap material for it,
+/// naming [`ENROLL_PORT`].
+pub(crate) fn material(svc: &EnrollService, token: &str, id: &Identity) -> Value {
+    let expires = svc
+        .register(token, id, std::time::Duration::from_secs(15 * 60))
+        .unwrap();
+    svc.material_json(token, id, expires, ENROLL_PORT)
+}
+
 /// guest-init's configuration: `guest-probe` as the app (uid [`APP_UID`], waiting for
 /// SIGTERM), the control port, a 5 s grace period, debug logging, `modules`, and
 /// `enrollment`. A test adds its own sections (`agent`, `root`) to the value.
