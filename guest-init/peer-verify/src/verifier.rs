@@ -154,6 +154,7 @@ mod tests {
 
     use rustls::crypto::ring::default_provider;
     use rustls::pki_types::PrivateKeyDer;
+    use rustls::sign::{CertifiedKey, SingleCertAndKey};
     use rustls::{ClientConfig, ClientConnection, ServerConfig, ServerConnection};
 
     use super::*;
@@ -246,6 +247,14 @@ mod tests {
         )
     }
 
+    /// Which side signs its handshake with a key that is not its certificate's.
+    #[derive(Clone, Copy, PartialEq)]
+    enum WrongKey {
+        Neither,
+        Server,
+        Client,
+    }
+
     fn mutual_over(
         to_server: Arc<dyn ServerCertVerifier>,
         to_client: Arc<dyn ClientCertVerifier>,
@@ -256,26 +265,75 @@ mod tests {
         Vec<CertificateDer<'static>>,
         Vec<CertificateDer<'static>>,
     ) {
+        mutual_keyed(to_server, to_client, alg, version, WrongKey::Neither)
+    }
+
+    fn mutual_keyed(
+        to_server: Arc<dyn ServerCertVerifier>,
+        to_client: Arc<dyn ClientCertVerifier>,
+        alg: &'static rcgen::SignatureAlgorithm,
+        version: &'static rustls::SupportedProtocolVersion,
+        wrong: WrongKey,
+    ) -> (
+        Result<(), rustls::Error>,
+        Vec<CertificateDer<'static>>,
+        Vec<CertificateDer<'static>>,
+    ) {
         let (server_chain, server_key) = chain(alg);
         let (client_chain, client_key) = chain(alg);
-        let tls13 = &[version];
+        let load = |k: &PrivateKeyDer<'static>| {
+            default_provider()
+                .key_provider
+                .load_private_key(k.clone_key())
+                .unwrap()
+        };
+        let (sk, ck) = match wrong {
+            WrongKey::Neither => (load(&server_key), load(&client_key)),
+            WrongKey::Server => (load(&client_key), load(&client_key)),
+            WrongKey::Client => (load(&server_key), load(&server_key)),
+        };
+        let presented = |chain: &Vec<CertificateDer<'static>>, key| {
+            Arc::new(SingleCertAndKey::from(CertifiedKey::new(
+                chain.clone(),
+                key,
+            )))
+        };
+        let versions = &[version];
         let server = ServerConfig::builder_with_provider(Arc::new(default_provider()))
-            .with_protocol_versions(tls13)
+            .with_protocol_versions(versions)
             .unwrap()
             .with_client_cert_verifier(to_client)
-            .with_single_cert(server_chain.clone(), server_key)
-            .unwrap();
+            .with_cert_resolver(presented(&server_chain, sk));
         let client = ClientConfig::builder_with_provider(Arc::new(default_provider()))
-            .with_protocol_versions(tls13)
+            .with_protocol_versions(versions)
             .unwrap()
             .dangerous()
             .with_custom_certificate_verifier(to_server)
-            .with_client_auth_cert(client_chain.clone(), client_key)
-            .unwrap();
+            .with_client_cert_resolver(presented(&client_chain, ck));
         let name = ServerName::try_from("peer.invalid").unwrap();
         let mut c = ClientConnection::new(Arc::new(client), name).unwrap();
         let mut s = ServerConnection::new(Arc::new(server)).unwrap();
         (handshake(&mut c, &mut s), server_chain, client_chain)
+    }
+
+    #[test]
+    fn a_peer_without_its_certificates_key_fails_the_handshake() {
+        let run = |wrong| {
+            mutual_keyed(
+                Arc::new(PeerVerifier::new(Arc::<Recorder>::default(), p256_only())),
+                Arc::new(PeerVerifier::new(Arc::<Recorder>::default(), p256_only())),
+                &rcgen::PKCS_ECDSA_P256_SHA256,
+                &rustls::version::TLS13,
+                wrong,
+            )
+            .0
+        };
+        let bad = Err(rustls::Error::InvalidCertificate(
+            rustls::CertificateError::BadSignature,
+        ));
+        assert_eq!(run(WrongKey::Server), bad);
+        assert_eq!(run(WrongKey::Client), bad);
+        run(WrongKey::Neither).unwrap();
     }
 
     #[test]
