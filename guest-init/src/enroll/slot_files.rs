@@ -96,3 +96,56 @@ impl SlotFiles {
         Ok(out)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+
+    const SLOT: &str = "0123456789abcdef";
+
+    /// A private file `name` in `dir`, as a key file would be.
+    fn plant(dir: &Path, name: &str) {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(dir.join(name))
+            .unwrap();
+    }
+
+    #[test]
+    fn a_slot_is_written_private_read_listed_and_removed() {
+        let d = tempfile::tempdir().unwrap();
+        let files = SlotFiles::open_dir(&d.path().join("keys"), "test").unwrap();
+        files.write(SLOT, b"key bytes").unwrap();
+        let path = files.path(SLOT);
+        assert_eq!(path, d.path().join("keys").join(format!("{SLOT}.key")));
+        assert_eq!(std::fs::metadata(&path).unwrap().mode() & 0o7777, 0o600);
+        assert_eq!(
+            files.read(SLOT, 64).unwrap().unwrap().as_slice(),
+            b"key bytes"
+        );
+        assert_eq!(files.slots().unwrap(), [SLOT]);
+        files.remove(SLOT).unwrap();
+        assert!(files.read(SLOT, 64).unwrap().is_none());
+        assert!(files.slots().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_name_that_is_not_a_slot_never_becomes_a_path() {
+        let d = tempfile::tempdir().unwrap();
+        let files = SlotFiles::open_dir(&d.path().join("keys"), "test").unwrap();
+        // A private key-like file one level up, and files in the directory whose names
+        // are not slots.
+        plant(d.path(), "outside.key");
+        plant(&d.path().join("keys"), "not-a-slot.key");
+        plant(&d.path().join("keys"), "0123456789ABCDEF.key");
+        plant(&d.path().join("keys"), &format!("{SLOT}.tmp"));
+        assert!(files.read("../outside", 64).unwrap().is_none());
+        files.remove("../outside").unwrap();
+        assert!(d.path().join("outside.key").exists());
+        assert!(files.read("not-a-slot", 64).unwrap().is_none());
+        assert!(files.slots().unwrap().is_empty());
+    }
+}
