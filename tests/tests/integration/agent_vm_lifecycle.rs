@@ -68,8 +68,15 @@ struct Agent<'a> {
 
 impl Agent<'_> {
     fn call(&self, cred: Option<&Credential>, request: Value) -> Result<(Value, Vec<u8>), String> {
+        // The host client's own verifier: the peer-authorizer, and only ECDSA P-256 (ring).
         let authorizer = GuestAuthorizer::new(self.svc.ca_der().to_vec(), self.current.into());
-        let config = client_config(Arc::new(authorizer), cred);
+        let algorithms = peer_verify::only_scheme(
+            rustls::crypto::ring::default_provider().signature_verification_algorithms,
+            rustls::SignatureScheme::ECDSA_NISTP256_SHA256,
+        )
+        .unwrap();
+        let verifier = peer_verify::PeerVerifier::new(authorizer, algorithms);
+        let config = client_config(Arc::new(verifier), cred);
         let sock =
             qemu_harness::hybrid::connect(&self.vsock_uds, AGENT_PORT, Duration::from_secs(30))
                 .map_err(|e| format!("cannot reach the agent: {e}"))?;
