@@ -150,11 +150,7 @@ fn a_token_expiring_during_issuance_withholds_the_certificate() {
     // The trusted clock is reread after the commit: the token ran out meanwhile.
     let mut env = Env::new(&[VM], VM);
     let id = identity(VM, 3);
-    let token = new_token("exp");
-    let expires = env
-        .svc
-        .register(&token, &id, Duration::from_secs(60))
-        .unwrap();
+    let (token, expires) = env.register("exp", &id, Duration::from_secs(60));
     env.write_material(&token, &id, expires);
     let later = |env: &Env| env.svc.advance_clock(Duration::from_secs(120));
     withheld_after_commit(&mut env, later, "expired");
