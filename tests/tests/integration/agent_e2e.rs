@@ -135,15 +135,12 @@ impl Guest {
     }
 
     fn wait_log(&self, what: &str) {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !self.log().contains(what) {
-            assert!(
-                Instant::now() < deadline,
-                "no {what:?} in the guest's log:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        e2e::util::wait_in_log(
+            &self.dir.path().join("guest.log"),
+            what,
+            1,
+            Duration::from_secs(60),
+        );
     }
 
     fn sock(&self) -> PathBuf {

@@ -14,6 +14,8 @@ use std::io::{ErrorKind, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
+use e2e::util::wait_in_log;
+
 use super::*;
 
 /// The cap, as docs/AGENT.md states it.
@@ -169,12 +171,12 @@ fn unfinished_handshakes_are_closed_at_10_s_while_others_and_a_slow_one_are_serv
     }
     let limit = "agent: refused unix: no handshake within 10s";
     // The guest closes, then logs: wait for the fourth line.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while g.log().matches(limit).count() < 4 {
-        assert!(Instant::now() < deadline, "{}", g.log());
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let log = g.log();
+    let log = wait_in_log(
+        &g.dir.path().join("guest.log"),
+        limit,
+        4,
+        Duration::from_secs(30),
+    );
     assert_eq!(log.matches(limit).count(), 4, "{log}");
     // The four status calls were served before the first stalled client was dropped.
     let served: Vec<usize> = log

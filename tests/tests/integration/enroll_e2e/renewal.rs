@@ -22,15 +22,7 @@ impl Running {
     }
 
     fn wait_log(&self, what: &str) {
-        let deadline = Instant::now() + Duration::from_secs(120);
-        while !self.log().contains(what) {
-            assert!(
-                Instant::now() < deadline,
-                "no {what:?} in the guest's log:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        e2e::util::wait_in_log(&self.log, what, 1, Duration::from_secs(120));
     }
 
     /// Ends the guest (SIGTERM: the orderly shutdown) and records its output.
