@@ -37,13 +37,13 @@ use std::time::{Duration, Instant};
 
 use base64::Engine;
 use e2e::enroll_service::EnrollService;
+use e2e::operator::{exchange, Credential};
 use e2e::util::{have_program, require};
 use host_relay::agent_client::GuestAuthorizer;
 use qemu_harness::process::tail;
 use qemu_harness::Vm;
 use serde_json::{json, Value};
 
-use crate::agent_e2e::{client_config, exchange, Credential};
 use crate::agent_vm::{agent_section, write_current};
 use crate::vm_guest::{
     accounts, each_kernel, guest_config, identity, initramfs_vm, material, service, AGENT_PORT,
@@ -76,11 +76,10 @@ impl Agent<'_> {
         )
         .unwrap();
         let verifier = peer_verify::PeerVerifier::new(authorizer, algorithms);
-        let config = client_config(Arc::new(verifier), cred);
         let sock =
             qemu_harness::hybrid::connect(&self.vsock_uds, AGENT_PORT, Duration::from_secs(30))
                 .map_err(|e| format!("cannot reach the agent: {e}"))?;
-        exchange(config, sock, &request.to_string())
+        exchange(sock, cred, Arc::new(verifier), &request.to_string())
     }
 
     /// The size of `path` in the guest, asked of `guest-probe size` run by `cred`.
