@@ -94,7 +94,16 @@ fn smoke_run_prints_every_figure_and_writes_json() {
         .unwrap_or_default();
     let missing: Vec<&String> = notes
         .iter()
-        .filter(|n| n.contains("not measured") || n.contains("on chain") || n.contains("VM boot"))
+        .filter(|n| {
+            n.contains("not measured")
+                || n.contains("on chain")
+                || n.contains("VM boot")
+                // guest-init's own path, or the forwarder VM as a whole; socat's and the
+                // raw vsock path's troubles are theirs (their values are checked below).
+                || (n.contains("VM forwarders")
+                    && !n.contains("path=socat")
+                    && !n.contains("path=vsock"))
+        })
         .collect();
     if !missing.is_empty() {
         if e2e::util::require_all() {

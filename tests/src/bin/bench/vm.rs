@@ -218,9 +218,17 @@ fn boot(bins: &Binaries, auth_client: &Path, sign_ins: usize) -> Result<Boot, St
     }];
     let mut vm = Vm::start(spec).map_err(|e| e.to_string())?;
     let ready = vm.ready().cloned().ok_or("no ready line")?;
-    let line = vm
-        .wait_for_console("guest-probe: signin-timed ", SIGN_IN_TIMEOUT)
+    // The probe prints `signin-timed done: ...` after its result line: waiting for that
+    // one means the result line is complete on the console (QEMU writes the serial
+    // console as it comes, so a line matched while it is being written can be cut short).
+    vm.wait_for_console("guest-probe: signin-timed done", SIGN_IN_TIMEOUT)
         .map_err(|e| e.to_string())?;
+    let line = vm
+        .console()
+        .lines()
+        .find(|l| l.contains("guest-probe: signin-timed ok="))
+        .map(str::to_string)
+        .ok_or("the probe printed no signin-timed result line")?;
     let stop = vm.stop().map_err(|e| e.to_string())?;
     if !stop.clean() {
         return Err(format!("the VM did not stop cleanly: {stop:?}"));
