@@ -332,8 +332,13 @@ pub fn burst(to: &Target, n: usize, threads: usize) -> Burst {
                     }
                 }
             }
+            // One deadline for all of this thread's echoes: a path that stops answering
+            // costs the burst OP_TIMEOUT, not OP_TIMEOUT per connection.
+            let deadline = Instant::now() + OP_TIMEOUT;
             let mut ok = 0;
             for s in &mut conns {
+                let left = deadline.saturating_duration_since(Instant::now());
+                let _ = s.set_read_timeout(Some(left.max(Duration::from_millis(1))));
                 let mut back = [0u8; 64];
                 match s.read_exact(&mut back) {
                     Ok(()) if back == PING => ok += 1,

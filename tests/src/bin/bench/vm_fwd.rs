@@ -186,10 +186,11 @@ fn boot(
         config: relay_config("echo", &spec.vsock_uds(), PORT_BASE, echo),
         wait_for: vec![spec.port_socket(PORT_BASE)],
     }];
-    // Per round: three figures of one window per path, bulk's warm-up, the bursts; TCG
-    // is slow and the machine shared, so allow ten times that and a few minutes more.
-    let per_round = 3 * (3 * s.vm_window_ms + 3 * 20_000);
-    let timeout = Duration::from_millis(180_000 + 10 * per_round * s.vm_rounds as u64);
+    // Per round and path: three figures of one window, and a burst (at most 30 s for its
+    // echoes, see `load::burst`, plus its connects). TCG is slow and the machine shared:
+    // allow five times that, and two minutes for the boot.
+    let per_round = 3 * (3 * s.vm_window_ms + 20_000);
+    let timeout = Duration::from_millis(120_000 + 5 * per_round * s.vm_rounds as u64);
     let mut vm = Vm::start(spec).map_err(|e| e.to_string())?;
     vm.wait_for_console("guest-probe: load finished", timeout)
         .map_err(|e| e.to_string())?;
