@@ -30,9 +30,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
-use rustls::{DigitallySignedStruct, SignatureScheme};
+use peer_verify::profile;
+use peer_verify::{PeerCheck, PeerVerifier};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::SignatureScheme;
 use serde::Deserialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use x509_parser::prelude::*;
@@ -121,11 +122,7 @@ impl GuestAuthorizer {
     pub fn check(&self, der: &[u8]) -> Result<(), String> {
         let (_, ca) = X509Certificate::from_der(&self.ca_der)
             .map_err(|e| format!("the management CA certificate is unreadable: {e}"))?;
-        let (rest, cert) = X509Certificate::from_der(der)
-            .map_err(|e| format!("the guest's certificate is not DER X.509: {e}"))?;
-        if !rest.is_empty() {
-            return Err("bytes follow the guest's certificate".into());
-        }
+        let cert = profile::parse_one(der).map_err(|e| format!("the guest's certificate: {e}"))?;
         if cert.issuer().as_raw() != ca.subject().as_raw()
             || cert.verify_signature(Some(ca.public_key())).is_err()
         {
@@ -139,8 +136,8 @@ impl GuestAuthorizer {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs() as i64)
             .unwrap_or(0);
-        let v = cert.validity();
-        if v.not_before.timestamp() > now || v.not_after.timestamp() <= now {
+        if profile::check_validity(&cert, now, Duration::ZERO).is_err() {
+            let v = cert.validity();
             return Err(format!(
                 "the guest's certificate is not valid now ({} to {})",
                 v.not_before, v.not_after
@@ -148,22 +145,9 @@ impl GuestAuthorizer {
         }
         let current = CurrentIdentity::read(&self.current)?;
         let want = current.uri();
-        let uris: Vec<String> = cert
-            .subject_alternative_name()
-            .ok()
-            .flatten()
-            .map(|s| {
-                s.value
-                    .general_names
-                    .iter()
-                    .filter_map(|n| match n {
-                        GeneralName::URI(u) => Some(u.to_string()),
-                        _ => None,
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
-        if uris != [want.clone()] {
+        let uris =
+            profile::uri_names(&cert).map_err(|e| format!("the guest's certificate: {e}"))?;
+        if uris != [want.as_str()] {
             return Err(format!(
                 "the guest's certificate names {uris:?}, but the current identity is {want} (an old epoch or another VM UID is not authorized)"
             ));
@@ -172,47 +156,9 @@ impl GuestAuthorizer {
     }
 }
 
-impl ServerCertVerifier for GuestAuthorizer {
-    fn verify_server_cert(
-        &self,
-        end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp: &[u8],
-        _now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        self.check(end_entity)
-            .map(|()| ServerCertVerified::assertion())
-            .map_err(rustls::Error::General)
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        _message: &[u8],
-        _cert: &CertificateDer<'_>,
-        _dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        Err(rustls::Error::PeerIncompatible(
-            rustls::PeerIncompatible::Tls12NotOffered,
-        ))
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &rustls::crypto::ring::default_provider().signature_verification_algorithms,
-        )
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        vec![SignatureScheme::ECDSA_NISTP256_SHA256]
+impl PeerCheck for GuestAuthorizer {
+    fn check(&self, end_entity: &CertificateDer<'_>) -> Result<(), rustls::Error> {
+        GuestAuthorizer::check(self, end_entity).map_err(rustls::Error::General)
     }
 }
 
@@ -276,15 +222,21 @@ impl Client {
         ca_der: Vec<u8>,
         current: PathBuf,
     ) -> Result<Client, CallError> {
-        let config = rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .map_err(|e| CallError::Setup(e.to_string()))?
-        .dangerous()
-        .with_custom_certificate_verifier(Arc::new(GuestAuthorizer::new(ca_der, current)))
-        .with_client_auth_cert(chain, key)
-        .map_err(|e| CallError::Setup(format!("operator certificate and key: {e}")))?;
+        let provider = rustls::crypto::ring::default_provider();
+        // The one scheme an enrolled guest key has: the only one offered and verified.
+        let algorithms = peer_verify::only_scheme(
+            provider.signature_verification_algorithms,
+            SignatureScheme::ECDSA_NISTP256_SHA256,
+        )
+        .ok_or_else(|| CallError::Setup("ring lacks ECDSA P-256 SHA-256".into()))?;
+        let verifier = PeerVerifier::new(GuestAuthorizer::new(ca_der, current), algorithms);
+        let config = rustls::ClientConfig::builder_with_provider(Arc::new(provider))
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(|e| CallError::Setup(e.to_string()))?
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(verifier))
+            .with_client_auth_cert(chain, key)
+            .map_err(|e| CallError::Setup(format!("operator certificate and key: {e}")))?;
         let mut config = config;
         // No resumption: a resumed session skips the certificate checks, and the
         // peer-authorizer must judge the guest against the current identity on every

@@ -33,15 +33,12 @@
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use rustls::client::danger::HandshakeSignatureValid;
-use rustls::pki_types::{CertificateDer, UnixTime};
-use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
+use peer_verify::profile::{self, OutsideValidity, Purpose};
+use peer_verify::{PeerCheck, PeerVerifier};
+use rustls::pki_types::CertificateDer;
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::{CertifiedKey, Signer, SigningKey};
-use rustls::{
-    CertificateError, DigitallySignedStruct, DistinguishedName, SignatureAlgorithm, SignatureScheme,
-};
-use x509_parser::prelude::*;
+use rustls::{CertificateError, SignatureAlgorithm, SignatureScheme};
 
 use crate::enroll::ca::ManagementCa;
 use crate::enroll::keystore::MachineKey;
@@ -124,46 +121,20 @@ impl Refusal {
 
 /// Checks an operator certificate against the profile at `now` (Unix seconds).
 pub fn check_operator(ca: &ManagementCa, der: &[u8], now: i64) -> Result<Operator, Refusal> {
-    let (rest, cert) = X509Certificate::from_der(der)
-        .map_err(|e| Refusal::Profile(format!("not a DER X.509 certificate: {e}")))?;
-    if !rest.is_empty() {
-        return Err(Refusal::Profile("bytes follow the certificate".into()));
-    }
+    let cert = profile::parse_one(der).map_err(Refusal::Profile)?;
     ca.check_issued(&cert).map_err(Refusal::WrongCa)?;
     let v = cert.validity();
-    if v.not_before.timestamp() > now + CLOCK_SKEW.as_secs() as i64 {
-        return Err(Refusal::NotYetValid(format!(
+    profile::check_validity(&cert, now, CLOCK_SKEW).map_err(|e| match e {
+        OutsideValidity::NotYetValid => Refusal::NotYetValid(format!(
             "notBefore {} is more than {} s ahead of the guest clock",
             v.not_before,
             CLOCK_SKEW.as_secs()
-        )));
-    }
-    if v.not_after.timestamp() <= now {
-        return Err(Refusal::Expired(format!("notAfter {}", v.not_after)));
-    }
-    let bc = cert
-        .basic_constraints()
-        .map_err(|e| Refusal::Profile(format!("basicConstraints is malformed: {e}")))?;
-    if bc.is_some_and(|b| b.value.ca) {
-        return Err(Refusal::Profile("it is a CA certificate".into()));
-    }
-    let eku = cert
-        .extended_key_usage()
-        .map_err(|e| Refusal::Profile(format!("extendedKeyUsage is malformed: {e}")))?;
-    if !eku.is_some_and(|e| e.value.client_auth) {
-        return Err(Refusal::Profile("extendedKeyUsage lacks clientAuth".into()));
-    }
-    let san = cert
-        .subject_alternative_name()
-        .map_err(|e| Refusal::Profile(format!("subjectAltName is malformed: {e}")))?;
-    let uris: Vec<&str> = san
-        .iter()
-        .flat_map(|s| s.value.general_names.iter())
-        .filter_map(|n| match n {
-            GeneralName::URI(u) => Some(*u),
-            _ => None,
-        })
-        .collect();
+        )),
+        OutsideValidity::Expired => Refusal::Expired(format!("notAfter {}", v.not_after)),
+    })?;
+    profile::require_end_entity(&cert).map_err(Refusal::Profile)?;
+    profile::require_purpose(&cert, Purpose::ClientAuth).map_err(Refusal::Profile)?;
+    let uris = profile::uri_names(&cert).map_err(Refusal::Profile)?;
     let [uri] = uris.as_slice() else {
         return Err(Refusal::Role(format!(
             "{} URI names; an operator certificate has exactly one, {OPERATOR_URI_PREFIX}<name>:role:<role>",
@@ -204,65 +175,28 @@ pub fn parse_operator_uri(uri: &str) -> Result<Operator, Refusal> {
     })
 }
 
-/// The client verifier: the profile above, on every handshake.
+/// The profile above as the client verifier's check, on every handshake.
 #[derive(Debug)]
-pub struct OperatorVerifier {
-    ca: ManagementCa,
-    hint: Vec<DistinguishedName>,
-}
+pub struct OperatorCheck(pub ManagementCa);
 
-impl OperatorVerifier {
-    /// A verifier for operators of `ca`.
-    pub fn new(ca: ManagementCa) -> OperatorVerifier {
-        let hint = vec![DistinguishedName::from(ca.subject_der().to_vec())];
-        OperatorVerifier { ca, hint }
-    }
-}
-
-impl ClientCertVerifier for OperatorVerifier {
-    fn root_hint_subjects(&self) -> &[DistinguishedName] {
-        &self.hint
-    }
-
-    fn verify_client_cert(
-        &self,
-        end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _now: UnixTime,
-    ) -> Result<ClientCertVerified, rustls::Error> {
+impl PeerCheck for OperatorCheck {
+    fn check(&self, end_entity: &CertificateDer<'_>) -> Result<(), rustls::Error> {
         // The guest's own clock (rustls passes the same, but say which one decides).
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs() as i64)
             .unwrap_or(0);
-        check_operator(&self.ca, end_entity, now)
-            .map(|_| ClientCertVerified::assertion())
+        check_operator(&self.0, end_entity, now)
+            .map(|_| ())
             .map_err(Refusal::into_rustls)
     }
+}
 
-    fn verify_tls12_signature(
-        &self,
-        _message: &[u8],
-        _cert: &CertificateDer<'_>,
-        _dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        Err(rustls::Error::PeerIncompatible(
-            rustls::PeerIncompatible::Tls12NotOffered,
-        ))
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(message, cert, dss, &super::crypto::ALGORITHMS)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        super::crypto::ALGORITHMS.supported_schemes()
-    }
+/// The client verifier: operators of `ca` (its subject as the certificate request's hint),
+/// their `CertificateVerify` checked with our provider's one scheme.
+pub fn operator_verifier(ca: ManagementCa) -> PeerVerifier<OperatorCheck> {
+    let subject = ca.subject_der().to_vec();
+    PeerVerifier::new(OperatorCheck(ca), super::crypto::ALGORITHMS).with_root_hint(&subject)
 }
 
 /// The guest's key as a rustls signing key: signatures come from the key store.
@@ -340,7 +274,7 @@ pub fn server_config(
 ) -> Result<Arc<rustls::ServerConfig>, rustls::Error> {
     let config = rustls::ServerConfig::builder_with_provider(Arc::new(super::crypto::provider()))
         .with_protocol_versions(&[&rustls::version::TLS13])?
-        .with_client_cert_verifier(Arc::new(OperatorVerifier::new(ca)))
+        .with_client_cert_verifier(Arc::new(operator_verifier(ca)))
         .with_cert_resolver(enrolled);
     let mut config = config;
     // No resumption: every connection is a full handshake, so the operator's certificate

@@ -14,14 +14,13 @@
 //! a symlink planted at the key's path. Not defended: someone with the raw disk (use the
 //! TPM store, or the memory store).
 
-use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use p256::pkcs8::{DecodePrivateKey, EncodePrivateKey};
 
-use super::files;
-use super::keystore::{is_slot, slot_for, KeyStore, KeyStoreError, MachineKey, P256Key};
+use super::keystore::{slot_for, KeyStore, KeyStoreError, MachineKey, P256Key};
+use super::slot_files::SlotFiles;
 
 const STORE: &str = "file";
 
@@ -30,30 +29,20 @@ const MAX_KEY_FILE: usize = 4096;
 
 /// Keys as files in a private directory.
 pub struct FileKeyStore {
-    dir: PathBuf,
+    files: SlotFiles,
 }
 
 impl FileKeyStore {
     /// A store in `dir`, created `0700` (or tightened to it) now.
     pub fn open_dir(dir: &Path) -> Result<FileKeyStore, KeyStoreError> {
-        files::ensure_dir(dir, 0o700)
-            .map_err(|e| io_err(format!("prepare {}", dir.display()), e))?;
         Ok(FileKeyStore {
-            dir: dir.to_path_buf(),
+            files: SlotFiles::open_dir(dir, STORE)?,
         })
     }
 
     /// The path of a slot's key file.
     pub fn key_path(&self, slot: &str) -> PathBuf {
-        self.dir.join(format!("{slot}.key"))
-    }
-}
-
-fn io_err(what: String, source: io::Error) -> KeyStoreError {
-    KeyStoreError::Io {
-        store: STORE,
-        what,
-        source,
+        self.files.path(slot)
     }
 }
 
@@ -76,18 +65,12 @@ impl KeyStore for FileKeyStore {
                 store: STORE,
                 what: format!("encode PKCS#8: {e}"),
             })?;
-        files::write_atomic(&self.dir, &format!("{slot}.key"), der.as_bytes(), 0o600)
-            .map_err(|e| io_err(format!("write key {slot}"), e))?;
+        self.files.write(&slot, der.as_bytes())?;
         Ok((slot, Arc::new(key)))
     }
 
     fn open(&self, slot: &str) -> Result<Option<Arc<dyn MachineKey>>, KeyStoreError> {
-        if !is_slot(slot) {
-            return Ok(None);
-        }
-        let Some(der) = files::read_bounded(&self.key_path(slot), MAX_KEY_FILE, true)
-            .map_err(|e| io_err(format!("read key {slot}"), e))?
-        else {
+        let Some(der) = self.files.read(slot, MAX_KEY_FILE)? else {
             return Ok(None);
         };
         let sk =
@@ -99,36 +82,12 @@ impl KeyStore for FileKeyStore {
     }
 
     fn remove(&self, slot: &str) -> Result<(), KeyStoreError> {
-        if !is_slot(slot) {
-            return Ok(());
-        }
-        files::remove_durable(&self.dir, &format!("{slot}.key"))
-            .map_err(|e| io_err(format!("remove key {slot}"), e))
+        self.files.remove(slot)
     }
 
     fn slots(&self) -> Result<Vec<String>, KeyStoreError> {
-        key_slots(&self.dir, STORE)
+        self.files.slots()
     }
-}
-
-/// The slots of the `<slot>.key` files in `dir` (the file and TPM stores keep one file
-/// per key there).
-pub(super) fn key_slots(dir: &Path, store: &'static str) -> Result<Vec<String>, KeyStoreError> {
-    let list_err = |source| KeyStoreError::Io {
-        store,
-        what: "list keys".into(),
-        source,
-    };
-    let mut out = Vec::new();
-    for entry in std::fs::read_dir(dir).map_err(list_err)? {
-        let name = entry.map_err(list_err)?.file_name();
-        if let Some(slot) = name.to_str().and_then(|n| n.strip_suffix(".key")) {
-            if is_slot(slot) {
-                out.push(slot.to_owned());
-            }
-        }
-    }
-    Ok(out)
 }
 
 #[cfg(test)]

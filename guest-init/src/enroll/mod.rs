@@ -12,7 +12,8 @@
 //! - [`ca`]: the pinned management CA and the signature check of issued certificates;
 //! - [`identity`]: the identity and its URI form in the CSR and certificate;
 //! - [`keystore`] with [`file_store`], [`memory_store`] and `tpm` (the VM's TPM 2.0): where
-//!   the P-256 key lives;
+//!   the P-256 key lives (the file and TPM stores keep one file per key slot the same
+//!   way, `slot_files`);
 //! - [`csr`]: the CSR, signed through rcgen's external-signer traits;
 //! - [`protocol`] and [`client`]: the versioned one-line JSON exchange and its retries;
 //! - [`verify`]: checks on the returned certificate (issuer, key, validity, identity,
@@ -48,6 +49,7 @@ pub mod memory_store;
 pub mod protocol;
 pub mod push;
 pub mod renew;
+mod slot_files;
 pub mod state;
 #[cfg(feature = "tpm")]
 pub mod tpm;

@@ -29,13 +29,13 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine;
-use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use peer_verify::profile::{self, OutsideValidity, Purpose};
+use peer_verify::{PeerCheck, PeerVerifier};
 use rustls::client::ResolvesClientCert;
-use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::pki_types::{CertificateDer, ServerName};
 use rustls::sign::CertifiedKey;
-use rustls::{DigitallySignedStruct, SignatureScheme};
+use rustls::SignatureScheme;
 use tokio::io::AsyncWriteExt;
-use x509_parser::prelude::*;
 
 use crate::agent::tls::MachineSigner;
 use crate::enroll::ca::ManagementCa;
@@ -65,97 +65,34 @@ pub struct RenewRequest {
 
 /// Checks the service's server certificate (see the module doc); `Err` says why.
 pub fn check_service(ca: &ManagementCa, der: &[u8], now: SystemTime) -> Result<(), String> {
-    let (rest, cert) =
-        X509Certificate::from_der(der).map_err(|e| format!("not a DER X.509 certificate: {e}"))?;
-    if !rest.is_empty() {
-        return Err("bytes follow the certificate".into());
-    }
+    let cert = profile::parse_one(der)?;
     ca.check_issued(&cert)?;
     let now_s = now
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs() as i64)
         .unwrap_or(0);
     let v = cert.validity();
-    if v.not_before.timestamp() - now_s > CLOCK_SKEW.as_secs() as i64 {
-        return Err(format!("not valid yet (notBefore {})", v.not_before));
-    }
-    if v.not_after.timestamp() <= now_s {
-        return Err(format!("expired (notAfter {})", v.not_after));
-    }
-    if cert
-        .basic_constraints()
-        .map_err(|e| format!("basicConstraints malformed: {e}"))?
-        .is_some_and(|b| b.value.ca)
-    {
-        return Err("it is a CA certificate".into());
-    }
-    let eku = cert
-        .extended_key_usage()
-        .map_err(|e| format!("extendedKeyUsage malformed: {e}"))?
-        .ok_or("it has no extendedKeyUsage (serverAuth needed)")?;
-    if !eku.value.server_auth {
-        return Err("extendedKeyUsage lacks serverAuth".into());
-    }
-    let mut names = Vec::new();
-    let san = cert
-        .subject_alternative_name()
-        .map_err(|e| format!("subjectAltName malformed: {e}"))?;
-    for n in san.iter().flat_map(|s| s.value.general_names.iter()) {
-        names.push(match n {
-            GeneralName::URI(u) => u.to_string(),
-            other => format!("{other}"),
-        });
-    }
+    profile::check_validity(&cert, now_s, CLOCK_SKEW).map_err(|e| match e {
+        OutsideValidity::NotYetValid => format!("not valid yet (notBefore {})", v.not_before),
+        OutsideValidity::Expired => format!("expired (notAfter {})", v.not_after),
+    })?;
+    profile::require_end_entity(&cert)?;
+    profile::require_purpose(&cert, Purpose::ServerAuth)?;
+    let names = profile::san_names(&cert)?;
     if names != [SERVICE_URI] {
         return Err(format!("it names {names:?}, not exactly [{SERVICE_URI:?}]"));
     }
     Ok(())
 }
 
+/// [`check_service`] as the server verifier's check, by the guest clock, on every attempt.
 #[derive(Debug)]
-struct ServiceVerifier(ManagementCa);
+struct ServiceCheck(ManagementCa);
 
-impl ServerCertVerifier for ServiceVerifier {
-    fn verify_server_cert(
-        &self,
-        end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _name: &ServerName<'_>,
-        _ocsp: &[u8],
-        _now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
+impl PeerCheck for ServiceCheck {
+    fn check(&self, end_entity: &CertificateDer<'_>) -> Result<(), rustls::Error> {
         check_service(&self.0, end_entity, SystemTime::now())
-            .map(|()| ServerCertVerified::assertion())
             .map_err(|e| rustls::Error::General(format!("the service's certificate: {e}")))
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        _message: &[u8],
-        _cert: &CertificateDer<'_>,
-        _dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        Err(rustls::Error::PeerIncompatible(
-            rustls::PeerIncompatible::Tls12NotOffered,
-        ))
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &crate::agent::crypto::ALGORITHMS,
-        )
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        crate::agent::crypto::ALGORITHMS.supported_schemes()
     }
 }
 
@@ -189,7 +126,10 @@ fn client_config(
         rustls::ClientConfig::builder_with_provider(Arc::new(crate::agent::crypto::provider()))
             .with_protocol_versions(&[&rustls::version::TLS13])?
             .dangerous()
-            .with_custom_certificate_verifier(Arc::new(ServiceVerifier(ca.clone())))
+            .with_custom_certificate_verifier(Arc::new(PeerVerifier::new(
+                ServiceCheck(ca.clone()),
+                crate::agent::crypto::ALGORITHMS,
+            )))
             .with_client_cert_resolver(Arc::new(Presented(Arc::new(certified))));
     config.enable_sni = false;
     // Every attempt is a full handshake: a resumed session would skip the server

@@ -31,8 +31,8 @@ use tpm2_protocol::data::{Tpm2bPrivate, TpmtPublic};
 
 use super::commands;
 use super::transport::{Tpm, TransportError};
-use crate::enroll::files;
-use crate::enroll::keystore::{is_slot, slot_for, KeyStore, KeyStoreError, MachineKey};
+use crate::enroll::keystore::{slot_for, KeyStore, KeyStoreError, MachineKey};
+use crate::enroll::slot_files::SlotFiles;
 
 const STORE: &str = "tpm";
 
@@ -52,7 +52,7 @@ pub type Connector = Arc<dyn Fn() -> io::Result<Box<dyn Stream>> + Send + Sync>;
 
 /// Keys in the TPM, wrapped blobs in a private directory.
 pub struct TpmKeyStore {
-    dir: PathBuf,
+    files: SlotFiles,
     connect: Connector,
 }
 
@@ -87,10 +87,8 @@ pub fn open_device(device: &Path) -> io::Result<File> {
 impl TpmKeyStore {
     /// A store in `dir` (created `0700`) whose TPM is reached through `connect`.
     pub fn with_connector(dir: &Path, connect: Connector) -> Result<TpmKeyStore, KeyStoreError> {
-        files::ensure_dir(dir, 0o700)
-            .map_err(|e| io_err(format!("prepare {}", dir.display()), e))?;
         Ok(TpmKeyStore {
-            dir: dir.to_path_buf(),
+            files: SlotFiles::open_dir(dir, STORE)?,
             connect,
         })
     }
@@ -106,7 +104,7 @@ impl TpmKeyStore {
 
     /// The path of a slot's key blob.
     pub fn key_path(&self, slot: &str) -> PathBuf {
-        self.dir.join(format!("{slot}.key"))
+        self.files.path(slot)
     }
 }
 
@@ -145,8 +143,7 @@ impl KeyStore for TpmKeyStore {
         let point = commands::signing_point(&public).map_err(|e| tpm_err("new key", e))?;
         let slot = slot_for(&point);
         let blob = commands::marshal_blob(&public, &private).map_err(|e| tpm_err(&slot, e))?;
-        files::write_atomic(&self.dir, &format!("{slot}.key"), &blob, 0o600)
-            .map_err(|e| io_err(format!("write key {slot}"), e))?;
+        self.files.write(&slot, &blob)?;
         Ok((
             slot.clone(),
             Arc::new(TpmKey {
@@ -160,12 +157,7 @@ impl KeyStore for TpmKeyStore {
     }
 
     fn open(&self, slot: &str) -> Result<Option<Arc<dyn MachineKey>>, KeyStoreError> {
-        if !is_slot(slot) {
-            return Ok(None);
-        }
-        let Some(blob) = files::read_bounded(&self.key_path(slot), MAX_KEY_FILE, true)
-            .map_err(|e| io_err(format!("read key {slot}"), e))?
-        else {
+        let Some(blob) = self.files.read(slot, MAX_KEY_FILE)? else {
             return Ok(None);
         };
         let (public, private) = commands::unmarshal_blob(&blob)
@@ -192,15 +184,11 @@ impl KeyStore for TpmKeyStore {
     }
 
     fn remove(&self, slot: &str) -> Result<(), KeyStoreError> {
-        if !is_slot(slot) {
-            return Ok(());
-        }
-        files::remove_durable(&self.dir, &format!("{slot}.key"))
-            .map_err(|e| io_err(format!("remove key {slot}"), e))
+        self.files.remove(slot)
     }
 
     fn slots(&self) -> Result<Vec<String>, KeyStoreError> {
-        crate::enroll::file_store::key_slots(&self.dir, STORE)
+        self.files.slots()
     }
 }
 
