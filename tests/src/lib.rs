@@ -8,6 +8,7 @@
 
 pub mod dovecot;
 pub mod enroll_service;
+pub mod operator;
 pub mod radicale;
 pub mod radicale_rootfs;
 pub mod radicale_vm;

@@ -228,3 +228,21 @@ pub fn e2fs_tool(name: &str) -> Option<PathBuf> {
         .map(|d| Path::new(d).join(name))
         .find(|p| p.is_file())
 }
+
+/// Waits until the log file at `path` holds `what` at least `times` times; panics with the
+/// whole log once `limit` has passed. Returns the log.
+pub fn wait_in_log(path: &Path, what: &str, times: usize, limit: std::time::Duration) -> String {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        let log = std::fs::read_to_string(path).unwrap_or_default();
+        if log.matches(what).count() >= times {
+            return log;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what:?} not {times} time(s) in {} after {limit:?}:\n{log}",
+            path.display()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}

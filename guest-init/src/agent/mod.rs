@@ -427,9 +427,10 @@ fn handshake_reason(e: &std::io::Error) -> String {
     }
 }
 
-/// Reads one request line (bounded); the newline is dropped.
+/// Reads one request line (at most [`ops::MAX_REQUEST`] bytes, newline included); the
+/// newline is dropped.
 async fn read_line<R: tokio::io::AsyncRead + Unpin>(r: &mut R) -> Result<Vec<u8>, String> {
-    let mut buf = Vec::with_capacity(1024);
+    let mut line = ops::LineReader::new(ops::MAX_REQUEST);
     let mut chunk = [0u8; 4096];
     loop {
         let n = r
@@ -439,16 +440,8 @@ async fn read_line<R: tokio::io::AsyncRead + Unpin>(r: &mut R) -> Result<Vec<u8>
         if n == 0 {
             return Err("the stream ended before a complete request line".into());
         }
-        buf.extend_from_slice(&chunk[..n]);
-        if let Some(i) = buf.iter().position(|&b| b == b'\n') {
-            buf.truncate(i);
-            return Ok(buf);
-        }
-        if buf.len() >= ops::MAX_REQUEST {
-            return Err(format!(
-                "the request is longer than {} bytes",
-                ops::MAX_REQUEST
-            ));
+        if let Some(l) = line.push(&chunk[..n])? {
+            return Ok(l);
         }
     }
 }

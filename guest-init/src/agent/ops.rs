@@ -123,6 +123,47 @@ impl Op {
     }
 }
 
+/// Gathers one request line from reads of any size.
+///
+/// The line ends at the first `\n`; with its newline it may be at most `limit` bytes
+/// (the agent's limit is [`MAX_REQUEST`]), whatever sizes the reads came in: the same
+/// stream gives the same line, or the same refusal, however it is cut. Bytes after the
+/// newline are ignored (one request per stream).
+#[derive(Debug)]
+pub struct LineReader {
+    buf: Vec<u8>,
+    limit: usize,
+}
+
+impl LineReader {
+    /// A reader for a line of at most `limit` bytes, newline included.
+    pub fn new(limit: usize) -> LineReader {
+        LineReader {
+            buf: Vec::with_capacity(limit.min(1024)),
+            limit,
+        }
+    }
+
+    /// Takes one read: `Ok(Some(line))` (without its newline) once the line is complete,
+    /// `Ok(None)` while more may come, `Err` once the line is longer than the limit.
+    pub fn push(&mut self, chunk: &[u8]) -> Result<Option<Vec<u8>>, String> {
+        let room = self.limit.saturating_sub(self.buf.len());
+        let take = &chunk[..chunk.len().min(room)];
+        if let Some(i) = take.iter().position(|&b| b == b'\n') {
+            self.buf.extend_from_slice(&take[..i]);
+            return Ok(Some(std::mem::take(&mut self.buf)));
+        }
+        self.buf.extend_from_slice(take);
+        if chunk.len() > take.len() || self.buf.len() >= self.limit {
+            return Err(format!(
+                "the request is longer than {} bytes (newline included)",
+                self.limit
+            ));
+        }
+        Ok(None)
+    }
+}
+
 /// An error answer's code.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -189,6 +230,32 @@ impl Answer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The line the reader gives for `stream` read in pieces of `step` bytes.
+    fn framed(stream: &[u8], limit: usize, step: usize) -> Result<Option<Vec<u8>>, String> {
+        let mut r = LineReader::new(limit);
+        for piece in stream.chunks(step) {
+            if let Some(line) = r.push(piece)? {
+                return Ok(Some(line));
+            }
+        }
+        Ok(None)
+    }
+
+    #[test]
+    fn the_line_limit_counts_the_newline_however_the_reads_come() {
+        let fits = [vec![b'a'; MAX_REQUEST - 1], b"\nafter".to_vec()].concat();
+        let over = [vec![b'a'; MAX_REQUEST], b"\n".to_vec()].concat();
+        for step in [1, 7, 4096, MAX_REQUEST, 2 * MAX_REQUEST] {
+            assert_eq!(
+                framed(&fits, MAX_REQUEST, step).unwrap().unwrap().len(),
+                MAX_REQUEST - 1
+            );
+            let e = framed(&over, MAX_REQUEST, step).unwrap_err();
+            assert!(e.contains("longer than 65536 bytes"), "{e}");
+            assert_eq!(framed(&fits[..100], MAX_REQUEST, step), Ok(None));
+        }
+    }
 
     #[test]
     fn requests_are_strict() {

@@ -13,17 +13,14 @@ use std::io::{Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use base64::Engine;
 use e2e::enroll_service::EnrollService;
+use e2e::operator::{self, Credential, ServerCert};
 use e2e::util::host_bin;
 use guest_init::enroll::identity::Identity;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
-
-/// An operator certificate and its PKCS#8 key, both DER.
-type Credential = (Vec<u8>, Vec<u8>);
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
 const TOKEN: &str = "tok_AGENT_SECRET_0123456789abcdefghijklmnopqrstuv";
 
@@ -138,15 +135,12 @@ impl Guest {
     }
 
     fn wait_log(&self, what: &str) {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !self.log().contains(what) {
-            assert!(
-                Instant::now() < deadline,
-                "no {what:?} in the guest's log:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        e2e::util::wait_in_log(
+            &self.dir.path().join("guest.log"),
+            what,
+            1,
+            Duration::from_secs(60),
+        );
     }
 
     fn sock(&self) -> PathBuf {
@@ -163,70 +157,19 @@ impl Guest {
     }
 
     /// Sends `request` with `client` (certificate and key) and returns the answer's JSON,
-    /// or the TLS error the client saw.
+    /// or the TLS error the client saw. The guest must present exactly the certificate it
+    /// published, and sign the handshake with its key.
     fn call(
         &self,
         client: Option<&Credential>,
         request: &str,
     ) -> Result<serde_json::Value, String> {
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let builder = rustls::ClientConfig::builder_with_provider(provider)
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .unwrap()
-            .dangerous()
-            .with_custom_certificate_verifier(Arc::new(Pinned(self.published())));
-        let config = match client {
-            Some((cert, key)) => builder
-                .with_client_auth_cert(
-                    vec![CertificateDer::from(cert.clone())],
-                    PrivateKeyDer::Pkcs8(key.clone().into()),
-                )
-                .unwrap(),
-            None => builder.with_no_client_auth(),
-        };
-        let conn =
-            rustls::ClientConnection::new(Arc::new(config), ServerName::try_from("guest").unwrap())
-                .unwrap();
-        let sock = std::os::unix::net::UnixStream::connect(self.sock()).unwrap();
-        sock.set_read_timeout(Some(Duration::from_secs(60)))
-            .unwrap();
-        let mut tls = rustls::StreamOwned::new(conn, sock);
-        // A refused client may find the connection closed while it still writes; the
-        // server's alert is then still there to read.
-        let wrote = tls
-            .write_all(format!("{request}\n").as_bytes())
-            .and_then(|()| tls.flush());
-        let mut answer = String::new();
-        let read = match wrote {
-            Ok(()) => tls.read_to_string(&mut answer).map(drop),
-            Err(e) => Err(e),
-        };
-        if let Err(e) = read {
-            // rustls' stream writes what is pending before it reads, and fails again on
-            // the closed socket: read the server's last records directly.
-            return Err(match alert(&mut tls.conn, &mut tls.sock) {
-                Some(a) => a,
-                None => e.to_string(),
-            });
-        }
-        serde_json::from_str(&answer).map_err(|e| format!("not JSON ({e}): {answer}"))
-    }
-}
-
-/// The error (an alert, usually) in what the server sent before it closed.
-fn alert(
-    conn: &mut rustls::ClientConnection,
-    sock: &mut std::os::unix::net::UnixStream,
-) -> Option<String> {
-    loop {
-        match conn.read_tls(sock) {
-            Ok(0) | Err(_) => return None,
-            Ok(_) => {
-                if let Err(e) = conn.process_new_packets() {
-                    return Some(e.to_string());
-                }
-            }
-        }
+        operator::call(
+            &self.sock(),
+            client,
+            ServerCert::pinned(self.published()),
+            request,
+        )
     }
 }
 
@@ -236,59 +179,6 @@ impl Drop for Guest {
             let _ = c.kill();
             let _ = c.wait();
         }
-    }
-}
-
-/// The test client's server verifier: the guest must present exactly the certificate it
-/// published, and sign the handshake with its key (checked by ring).
-#[derive(Debug)]
-struct Pinned(Vec<u8>);
-
-impl rustls::client::danger::ServerCertVerifier for Pinned {
-    fn verify_server_cert(
-        &self,
-        end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp: &[u8],
-        _now: UnixTime,
-    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
-        if end_entity.as_ref() == self.0.as_slice() {
-            Ok(rustls::client::danger::ServerCertVerified::assertion())
-        } else {
-            Err(rustls::Error::General(
-                "not the guest's enrolled certificate".into(),
-            ))
-        }
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        _message: &[u8],
-        _cert: &CertificateDer<'_>,
-        _dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        Err(rustls::Error::General("TLS 1.2".into()))
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &rustls::crypto::ring::default_provider().signature_verification_algorithms,
-        )
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        rustls::crypto::ring::default_provider()
-            .signature_verification_algorithms
-            .supported_schemes()
     }
 }
 
@@ -669,3 +559,5 @@ fn an_epoch_raise_closes_the_old_connections_kills_their_jobs_and_swaps_the_cert
     assert_eq!(ok(&status)["epoch"], 8);
     assert!(!g.log().contains(TOKEN));
 }
+
+mod limits;

@@ -176,13 +176,17 @@ impl Env {
 
     /// Registers a token (lifetime 10 min) and writes the bootstrap file (0600).
     fn provision(&mut self, id: &Identity) -> String {
-        let token = new_token("t");
-        let expires = self
-            .svc
-            .register(&token, id, Duration::from_secs(600))
-            .unwrap();
+        let (token, expires) = self.register("t", id, Duration::from_secs(600));
         self.write_material(&token, id, expires);
         token
+    }
+
+    /// A new token (tagged `tag`) registered with the service for `id`, valid for
+    /// `lifetime`; returns it and its expiry.
+    fn register(&self, tag: &str, id: &Identity, lifetime: Duration) -> (String, u64) {
+        let token = new_token(tag);
+        let expires = self.svc.register(&token, id, lifetime).unwrap();
+        (token, expires)
     }
 
     fn write_material(&mut self, token: &str, id: &Identity, expires: u64) {
@@ -577,11 +581,7 @@ fn two_attempts_at_once_produce_one_csr() {
 fn expired_token_is_final_and_makes_no_second_key() {
     let mut env = Env::new(&[VM], VM);
     let id = identity(VM, 0);
-    let token = new_token("exp");
-    let expires = env
-        .svc
-        .register(&token, &id, Duration::from_secs(60))
-        .unwrap();
+    let (token, expires) = env.register("exp", &id, Duration::from_secs(60));
     env.write_material(&token, &id, expires);
     env.svc.advance_clock(Duration::from_secs(120));
     let (code, out) = env.run_guest();
@@ -885,11 +885,7 @@ fn a_rogue_push_at_the_top_epoch_only_delays_enrollment() {
     }
 
     let id = identity(VM, 5);
-    let token = new_token("legit");
-    let expires = env
-        .svc
-        .register(&token, &id, Duration::from_secs(600))
-        .unwrap();
+    let (token, expires) = env.register("legit", &id, Duration::from_secs(600));
     let doc = env.material_doc(&token, &id, expires);
     assert_eq!(push(&sock, &doc), "ok\n");
     let (code, out) = env.finish(child);
@@ -1006,11 +1002,7 @@ fn a_rogue_push_for_the_pending_identity_does_not_cost_the_pending_csr() {
     // the committed certificate instead of a `csr_mismatch` for a second key.
     let mut env = Env::new(&[VM], VM);
     let id = identity(VM, 7);
-    let token = new_token("legit");
-    let expires = env
-        .svc
-        .register(&token, &id, Duration::from_secs(600))
-        .unwrap();
+    let (token, expires) = env.register("legit", &id, Duration::from_secs(600));
     let legit = env.material_doc(&token, &id, expires);
     let sock = env.path("push.sock");
 

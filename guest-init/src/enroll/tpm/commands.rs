@@ -294,3 +294,18 @@ pub fn signing_point(public: &TpmtPublic) -> Result<Vec<u8>, TransportError> {
         _ => Err(bad("is not a P-256 point")),
     }
 }
+
+/// The DER ECDSA signature for a `(r, s)` the TPM returned (big-endian, leading zeros
+/// possibly stripped); `Err` for a component longer than 32 bytes, zero, or not below
+/// the curve order: a TPM answer that is not a P-256 signature.
+pub fn signature_der(r: &[u8], s: &[u8]) -> Result<Vec<u8>, TransportError> {
+    let bad = || TransportError::Malformed("Sign answered with a malformed signature".into());
+    if r.len() > 32 || s.len() > 32 {
+        return Err(bad());
+    }
+    let mut rs = [0u8; 64];
+    rs[32 - r.len()..32].copy_from_slice(r);
+    rs[64 - s.len()..].copy_from_slice(s);
+    let sig = p256::ecdsa::Signature::from_slice(&rs).map_err(|_| bad())?;
+    Ok(sig.to_der().as_bytes().to_vec())
+}

@@ -241,17 +241,6 @@ impl MachineKey for TpmKey {
             commands::sign(tpm, handle, &digest)
                 .map_err(|e| tpm_err(format!("sign with key {}", self.slot), e))
         })?;
-        let bad = || KeyStoreError::Crypto {
-            store: STORE,
-            what: format!("key {}: the TPM returned a malformed signature", self.slot),
-        };
-        if r.len() > 32 || s.len() > 32 {
-            return Err(bad());
-        }
-        let mut rs = [0u8; 64];
-        rs[32 - r.len()..32].copy_from_slice(&r);
-        rs[64 - s.len()..].copy_from_slice(&s);
-        let sig = p256::ecdsa::Signature::from_slice(&rs).map_err(|_| bad())?;
-        Ok(sig.to_der().as_bytes().to_vec())
+        commands::signature_der(&r, &s).map_err(|e| tpm_err(format!("key {}", self.slot), e))
     }
 }

@@ -1,10 +1,12 @@
 //! Host-side tests of the TPM transport, session and store against a real swtpm, reached
 //! over its raw-command Unix socket (`swtpm socket --server type=unixio`): no VM needed.
 
+use std::collections::VecDeque;
+use std::io::{self, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::process::Command;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use p256::ecdsa::signature::Verifier;
 use qemu_harness::swtpm::RawServer;
@@ -141,4 +143,109 @@ fn a_missing_device_is_a_configuration_error_naming_the_field() {
     let e = super::require_device(Path::new("/nonexistent/tpmrm0")).unwrap_err();
     assert!(e.starts_with("key_store:"), "{e}");
     assert!(e.contains("/nonexistent/tpmrm0"), "{e}");
+}
+
+/// A stream to swtpm that records each response, one per command.
+struct Recorder {
+    inner: UnixStream,
+    answers: Arc<Mutex<Vec<Vec<u8>>>>,
+}
+
+impl Write for Recorder {
+    fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+        self.answers.lock().unwrap().push(Vec::new());
+        self.inner.write(b)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+impl Read for Recorder {
+    fn read(&mut self, b: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(b)?;
+        if let Some(last) = self.answers.lock().unwrap().last_mut() {
+            last.extend_from_slice(&b[..n]);
+        }
+        Ok(n)
+    }
+}
+
+/// A TPM that answers every command with the next recorded response, whatever it was.
+struct Replay {
+    answers: Arc<Mutex<VecDeque<Vec<u8>>>>,
+    current: io::Cursor<Vec<u8>>,
+}
+
+impl Write for Replay {
+    fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+        let next = self.answers.lock().unwrap().pop_front().unwrap_or_default();
+        self.current = io::Cursor::new(next);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Read for Replay {
+    fn read(&mut self, b: &mut [u8]) -> io::Result<usize> {
+        self.current.read(b)
+    }
+}
+
+/// Recorded swtpm answers to the store's generate and sign, replayed by a fake device,
+/// give the same key and the same signature: the transport and the response parsers
+/// read real answers alone, with no state of their own. The recording is also the seed
+/// of the `tpm_responses` fuzz target (its input format: a read size, then each response
+/// as a big-endian `u16` length and its bytes), and the key file that of `tpm_blob`; set
+/// `TPM_FUZZ_SEEDS` to a directory to write both there.
+#[test]
+fn recorded_tpm_answers_replay_to_the_same_key_and_signature() {
+    let d = tempfile::tempdir().unwrap();
+    let (state, dir) = (d.path().join("tpm"), d.path().join("keys"));
+    std::fs::create_dir(&state).unwrap();
+    let Some(tpm) = swtpm(&state) else {
+        return;
+    };
+    let answers = Arc::new(Mutex::new(Vec::new()));
+    let (sock, rec) = (tpm.socket().to_path_buf(), answers.clone());
+    let recording: Connector = Arc::new(move || {
+        UnixStream::connect(&sock).map(|inner| {
+            Box::new(Recorder {
+                inner,
+                answers: rec.clone(),
+            }) as Box<dyn Stream>
+        })
+    });
+    let store = TpmKeyStore::with_connector(&dir.join("a"), recording).unwrap();
+    let (slot, key) = store.generate().unwrap();
+    let der = key.sign_der(b"hello").unwrap();
+    let answers = answers.lock().unwrap().clone();
+    // generate: CreatePrimary, Create, FlushContext; sign: CreatePrimary, Load, Sign,
+    // FlushContext twice.
+    assert_eq!(answers.len(), 8);
+
+    let queue = Arc::new(Mutex::new(VecDeque::from(answers.clone())));
+    let replay: Connector = Arc::new(move || {
+        Ok(Box::new(Replay {
+            answers: queue.clone(),
+            current: io::Cursor::new(Vec::new()),
+        }) as Box<dyn Stream>)
+    });
+    let replayed = TpmKeyStore::with_connector(&dir.join("b"), replay).unwrap();
+    let (slot_b, key_b) = replayed.generate().unwrap();
+    assert_eq!((&slot_b, key_b.public_sec1()), (&slot, key.public_sec1()));
+    assert_eq!(key_b.sign_der(b"hello").unwrap(), der);
+
+    if let Some(out) = std::env::var_os("TPM_FUZZ_SEEDS") {
+        let out = Path::new(&out);
+        let mut seed = vec![0u8];
+        for a in &answers {
+            seed.extend_from_slice(&(a.len() as u16).to_be_bytes());
+            seed.extend_from_slice(a);
+        }
+        std::fs::write(out.join("seed-swtpm-generate-sign"), seed).unwrap();
+        std::fs::copy(store.key_path(&slot), out.join("seed-swtpm-key")).unwrap();
+    }
 }

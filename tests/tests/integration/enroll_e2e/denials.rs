@@ -39,17 +39,25 @@ fn nothing_published(env: &Env) -> bool {
     !env.publish().join("cert.pem").exists()
 }
 
-#[test]
-fn a_vm_reset_before_enrollment_is_final_and_nothing_is_issued() {
+/// Denied and not retried: the service saw exactly one more request after `before`.
+fn assert_not_retried(env: &Env, before: usize) {
+    assert_eq!(
+        env.svc.requests().len(),
+        before + 1,
+        "a final error was retried"
+    );
+}
+
+/// The current identity changed to `current` after the token was minted and before the
+/// guest asked: final, the guest's message says `why`, nothing issued or published.
+fn denied_before_enrollment(current: Identity, why: &str) {
     let mut env = Env::new(&[VM], VM);
-    let id = identity(VM, 3);
-    let token = env.provision(&id);
-    // The VM was reset after the token was minted: a new VM UID is current.
-    env.svc.set_current(&identity("vm-1-reset", 3));
+    let token = env.provision(&identity(VM, 3));
+    env.svc.set_current(&current);
     let (code, out) = env.run_guest();
     assert_final(code, &out, "identity_changed");
-    assert!(out.contains("VM was reset"), "{out}");
-    assert_eq!(env.svc.requests().len(), 1, "a final error was retried");
+    assert!(out.contains(why), "{out}");
+    assert_not_retried(&env, 0);
     assert_eq!(
         env.svc.committed_cert(&token),
         None,
@@ -60,22 +68,30 @@ fn a_vm_reset_before_enrollment_is_final_and_nothing_is_issued() {
 }
 
 #[test]
+fn a_vm_reset_before_enrollment_is_final_and_nothing_is_issued() {
+    // The VM was reset after the token was minted: a new VM UID is current.
+    denied_before_enrollment(identity("vm-1-reset", 3), "VM was reset");
+}
+
+#[test]
 fn an_epoch_raised_before_enrollment_is_final_and_nothing_is_issued() {
-    let mut env = Env::new(&[VM], VM);
-    let id = identity(VM, 3);
-    let token = env.provision(&id);
-    env.svc.set_current(&identity(VM, 4));
-    let (code, out) = env.run_guest();
-    assert_final(code, &out, "identity_changed");
-    assert!(out.contains("revocation epoch is 4"), "{out}");
-    assert_eq!(env.svc.requests().len(), 1, "a final error was retried");
-    assert_eq!(
-        env.svc.committed_cert(&token),
-        None,
-        "a stale identity was issued"
-    );
-    assert!(nothing_published(&env));
+    denied_before_enrollment(identity(VM, 4), "revocation epoch is 4");
+}
+
+/// Committed for the guest, which dies before the answer; `change` happens; the guest
+/// resumes its pending CSR and gets the final `code`. Returns the guest's output.
+fn final_on_resume(env: &mut Env, token: &str, change: impl FnOnce(&Env), code: &str) -> String {
+    commit_then_kill_the_guest(env, token);
+    change(env);
+    release_and_settle(env);
+    let before = env.svc.requests().len();
+    let (status, out) = env.run_guest();
+    assert!(out.contains("resuming the pending enrollment"), "{out}");
+    assert_final(status, &out, code);
+    assert_not_retried(env, before);
+    assert!(nothing_published(env));
     env.assert_no_secrets();
+    out
 }
 
 #[test]
@@ -84,20 +100,29 @@ fn an_epoch_raised_before_a_retry_is_final() {
     // guest resumes the pending CSR: the committed certificate is not handed out.
     let mut env = Env::new(&[VM], VM);
     let token = env.provision(&identity(VM, 3));
-    commit_then_kill_the_guest(&mut env, &token);
-    env.svc.set_current(&identity(VM, 4));
-    release_and_settle(&env);
-    let before = env.svc.requests().len();
-    let (code, out) = env.run_guest();
-    assert!(out.contains("resuming the pending enrollment"), "{out}");
-    assert_final(code, &out, "identity_changed");
-    assert_eq!(
-        env.svc.requests().len(),
-        before + 1,
-        "the retry was retried"
-    );
-    assert!(nothing_published(&env));
+    let raise = |env: &Env| env.svc.set_current(&identity(VM, 4));
+    final_on_resume(&mut env, &token, raise, "identity_changed");
+}
+
+/// The service commits and stalls; `change` happens before it answers; the recheck after
+/// the commit withholds the certificate with the final `code`. Returns the requests.
+fn withheld_after_commit(
+    env: &mut Env,
+    change: impl FnOnce(&Env),
+    code: &str,
+) -> Vec<e2e::enroll_service::RequestRecord> {
+    env.svc.stall_after_commit();
+    let child = env.spawn_guest();
+    wait_until("the service to commit and stall", || env.svc.stalled() == 1);
+    change(env);
+    env.svc.release_stall();
+    let (status, out) = env.finish(child);
+    assert_final(status, &out, code);
+    assert!(out.contains("withheld after commit"), "{out}");
+    assert_not_retried(env, 0);
+    assert!(nothing_published(env));
     env.assert_no_secrets();
+    env.svc.requests()
 }
 
 #[test]
@@ -106,37 +131,18 @@ fn a_vm_reset_during_issuance_withholds_the_certificate() {
     // after the commit withholds the certificate.
     let mut env = Env::new(&[VM], VM);
     let token = env.provision(&identity(VM, 3));
-    env.svc.stall_after_commit();
-    let child = env.spawn_guest();
-    wait_until("the service to commit and stall", || env.svc.stalled() == 1);
-    env.svc.set_current(&identity("vm-1-reset", 3));
-    env.svc.release_stall();
-    let (code, out) = env.finish(child);
-    assert_final(code, &out, "identity_changed");
-    assert!(out.contains("withheld after commit"), "{out}");
-    let reqs = env.svc.requests();
-    assert_eq!(reqs.len(), 1, "a final error was retried");
+    let reset = |env: &Env| env.svc.set_current(&identity("vm-1-reset", 3));
+    let reqs = withheld_after_commit(&mut env, reset, "identity_changed");
     assert_eq!(reqs[0].cert, None, "the certificate was sent");
     assert!(env.svc.committed_cert(&token).is_some(), "the commit stays");
-    assert!(nothing_published(&env));
-    env.assert_no_secrets();
 }
 
 #[test]
 fn an_epoch_raised_during_issuance_withholds_the_certificate() {
     let mut env = Env::new(&[VM], VM);
     env.provision(&identity(VM, 3));
-    env.svc.stall_after_commit();
-    let child = env.spawn_guest();
-    wait_until("the service to commit and stall", || env.svc.stalled() == 1);
-    env.svc.set_current(&identity(VM, 4));
-    env.svc.release_stall();
-    let (code, out) = env.finish(child);
-    assert_final(code, &out, "identity_changed");
-    assert!(out.contains("withheld after commit"), "{out}");
-    assert_eq!(env.svc.requests().len(), 1, "a final error was retried");
-    assert!(nothing_published(&env));
-    env.assert_no_secrets();
+    let raise = |env: &Env| env.svc.set_current(&identity(VM, 4));
+    withheld_after_commit(&mut env, raise, "identity_changed");
 }
 
 #[test]
@@ -144,23 +150,10 @@ fn a_token_expiring_during_issuance_withholds_the_certificate() {
     // The trusted clock is reread after the commit: the token ran out meanwhile.
     let mut env = Env::new(&[VM], VM);
     let id = identity(VM, 3);
-    let token = new_token("exp");
-    let expires = env
-        .svc
-        .register(&token, &id, Duration::from_secs(60))
-        .unwrap();
+    let (token, expires) = env.register("exp", &id, Duration::from_secs(60));
     env.write_material(&token, &id, expires);
-    env.svc.stall_after_commit();
-    let child = env.spawn_guest();
-    wait_until("the service to commit and stall", || env.svc.stalled() == 1);
-    env.svc.advance_clock(Duration::from_secs(120));
-    env.svc.release_stall();
-    let (code, out) = env.finish(child);
-    assert_final(code, &out, "expired");
-    assert!(out.contains("withheld after commit"), "{out}");
-    assert_eq!(env.svc.requests().len(), 1, "a final error was retried");
-    assert!(nothing_published(&env));
-    env.assert_no_secrets();
+    let later = |env: &Env| env.svc.advance_clock(Duration::from_secs(120));
+    withheld_after_commit(&mut env, later, "expired");
 }
 
 #[test]
@@ -170,24 +163,12 @@ fn a_retry_after_the_issued_certificate_expired_is_final() {
     let mut env = Env::new(&[VM], VM);
     env.svc.set_cert_lifetime(Duration::from_secs(120));
     let token = env.provision(&identity(VM, 3));
-    commit_then_kill_the_guest(&mut env, &token);
-    env.svc.advance_clock(Duration::from_secs(300));
-    release_and_settle(&env);
-    let before = env.svc.requests().len();
-    let (code, out) = env.run_guest();
-    assert!(out.contains("resuming the pending enrollment"), "{out}");
-    assert_final(code, &out, "expired");
+    let later = |env: &Env| env.svc.advance_clock(Duration::from_secs(300));
+    let out = final_on_resume(&mut env, &token, later, "expired");
     assert!(
         out.contains("certificate issued for this CSR has expired"),
         "{out}"
     );
-    assert_eq!(
-        env.svc.requests().len(),
-        before + 1,
-        "a final error was retried"
-    );
-    assert!(nothing_published(&env));
-    env.assert_no_secrets();
 }
 
 #[test]
@@ -205,11 +186,7 @@ fn a_full_ledger_denies_instead_of_evicting() {
     let before = env.svc.requests().len();
     let (code, out) = env.run_guest();
     assert_final(code, &out, "capacity_exhausted");
-    assert_eq!(
-        env.svc.requests().len(),
-        before + 1,
-        "a final error was retried"
-    );
+    assert_not_retried(&env, before);
     assert_eq!(env.svc.committed_cert(&second), None);
     assert_eq!(
         env.svc.committed_cert(&first),

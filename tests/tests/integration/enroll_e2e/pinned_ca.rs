@@ -207,11 +207,7 @@ fn a_pushed_document_cannot_choose_the_ca() {
     drop(rogue);
     env.svc.listen_vm(VM, &upstream).unwrap();
     let id = identity(VM, 2);
-    let token = new_token("legit");
-    let expires = env
-        .svc
-        .register(&token, &id, Duration::from_secs(600))
-        .unwrap();
+    let (token, expires) = env.register("legit", &id, Duration::from_secs(600));
     let doc = env.material_doc(&token, &id, expires);
     assert_eq!(push(&sock, &doc), "ok\n");
     let status = child.wait().unwrap();

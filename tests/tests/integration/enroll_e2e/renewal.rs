@@ -2,10 +2,7 @@
 //! through the real host-relay, its bootstrap material is deleted, and it renews over
 //! mutual TLS with its enrolled certificate at two thirds of a short (120 s) lifetime.
 
-use std::io::{Read, Write};
-use std::sync::{Arc, Mutex};
-
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use e2e::operator::{self, ServerCert};
 
 use super::*;
 
@@ -25,15 +22,7 @@ impl Running {
     }
 
     fn wait_log(&self, what: &str) {
-        let deadline = Instant::now() + Duration::from_secs(120);
-        while !self.log().contains(what) {
-            assert!(
-                Instant::now() < deadline,
-                "no {what:?} in the guest's log:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        e2e::util::wait_in_log(&self.log, what, 1, Duration::from_secs(120));
     }
 
     /// Ends the guest (SIGTERM: the orderly shutdown) and records its output.
@@ -136,82 +125,22 @@ impl Env {
 /// The certificate the agent presents on a new handshake (a reader operator's status
 /// call), checked by ring to be signed by the certificate's key.
 fn agent_presents(env: &Env) -> Vec<u8> {
-    let (cert, key) = env
+    let reader = env
         .svc
         .issue_operator("urn:hop3:operator:alice:role:reader", -60, 3600);
-    let seen = Arc::new(Mutex::new(None));
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let config = rustls::ClientConfig::builder_with_provider(provider)
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .unwrap()
-        .dangerous()
-        .with_custom_certificate_verifier(Arc::new(Capture(seen.clone())))
-        .with_client_auth_cert(
-            vec![CertificateDer::from(cert)],
-            PrivateKeyDer::Pkcs8(key.into()),
-        )
-        .unwrap();
-    let conn =
-        rustls::ClientConnection::new(Arc::new(config), ServerName::try_from("guest").unwrap())
-            .unwrap();
-    let sock = std::os::unix::net::UnixStream::connect(env.path("agent.sock")).unwrap();
-    sock.set_read_timeout(Some(Duration::from_secs(60)))
-        .unwrap();
-    let mut tls = rustls::StreamOwned::new(conn, sock);
-    tls.write_all(b"{\"v\":1,\"op\":\"status\"}\n").unwrap();
-    tls.flush().unwrap();
-    let mut answer = String::new();
-    let _ = tls.read_to_string(&mut answer);
-    assert!(answer.contains("\"status\":\"ok\""), "status: {answer}");
-    let der = seen.lock().unwrap().take().expect("a server certificate");
-    der
-}
-
-/// Records the server certificate; the handshake signature is checked by ring.
-#[derive(Debug)]
-struct Capture(Arc<Mutex<Option<Vec<u8>>>>);
-
-impl rustls::client::danger::ServerCertVerifier for Capture {
-    fn verify_server_cert(
-        &self,
-        end_entity: &CertificateDer<'_>,
-        _: &[CertificateDer<'_>],
-        _: &ServerName<'_>,
-        _: &[u8],
-        _: UnixTime,
-    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
-        *self.0.lock().unwrap() = Some(end_entity.to_vec());
-        Ok(rustls::client::danger::ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        _: &[u8],
-        _: &CertificateDer<'_>,
-        _: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        Err(rustls::Error::General("TLS 1.2".into()))
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &rustls::crypto::ring::default_provider().signature_verification_algorithms,
-        )
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        rustls::crypto::ring::default_provider()
-            .signature_verification_algorithms
-            .supported_schemes()
-    }
+    let server = ServerCert::capture();
+    let answer = operator::call(
+        &env.path("agent.sock"),
+        Some(&reader),
+        server.clone(),
+        r#"{"v":1,"op":"status"}"#,
+    );
+    assert_eq!(
+        answer.as_ref().map(|a| &a["status"]),
+        Ok(&"ok".into()),
+        "status: {answer:?}"
+    );
+    server.seen().expect("a server certificate")
 }
 
 fn validity(der: &[u8]) -> (i64, i64) {
