@@ -7,6 +7,8 @@
 //! - [`process`]: supervised child processes that never outlive the harness.
 //! - [`hybrid`]: host-to-guest connections through the VM's hybrid vsock socket.
 //! - [`vm`]: [`VmSpec`] and [`Vm`]: boot, wait for ready, connect, clean up.
+//! - [`load`]: the benchmark's client workloads (RTT, bulk, setups, burst) against a Unix
+//!   or vsock address, run by the host bench and, inside guests, by `guest-probe load`.
 //! - [`stop`]: ending a VM: the control port's `stop`, the ACPI power button and
 //!   Ctrl-Alt-Del through [`qmp`], and waiting for QEMU's exit.
 //!
@@ -15,6 +17,7 @@
 
 pub mod hybrid;
 pub mod kernel;
+pub mod load;
 pub mod process;
 pub mod qemu;
 pub mod qmp;

@@ -23,6 +23,10 @@
 //! - `cid-test --relay BIN --port P --echo PATH --config LABEL=FILE ...`: runs host-relay in
 //!   CID mode inside the guest over `vsock_loopback` (peer CID 1) once per config, and
 //!   prints whether each admitted or refused a loopback connection (`guest-probe/cid.rs`).
+//! - `load --path NAME=TARGET ... [--socat BIN --socat-listen PATH --socat-to CID:PORT]
+//!   [--rounds R] [--window-ms W] [--burst N] [--burst-threads T]`: the benchmark's RTT,
+//!   bulk, setup and burst workloads against each path in turns, one line per round and
+//!   path (`guest-probe/load.rs`).
 //! - `write-and-wait PATH SIZE [--ignore-term]`: writes SIZE bytes of a fixed pattern to
 //!   PATH without `fsync`, then waits for SIGTERM (or ignores it), for the data-safety tests
 //!   of every way of stopping (`guest-probe/write_wait.rs`).
@@ -36,7 +40,6 @@
 //! Secrets: passwords are test fixtures, but still never printed.
 
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::process::ExitCode;
 use std::sync::{Arc, Barrier};
@@ -55,6 +58,8 @@ macro_rules! say {
 // The crate root looks for modules beside itself: point at this binary's own directory.
 #[path = "guest-probe/cid.rs"]
 mod cid;
+#[path = "guest-probe/load.rs"]
+mod loadgen;
 #[path = "guest-probe/tick.rs"]
 mod tick;
 #[path = "guest-probe/write_wait.rs"]
@@ -153,35 +158,10 @@ fn signin(socket: &str, user: &str, pass: &str) -> Signin {
     run().unwrap_or_else(|e| Signin::Error(e.to_string()))
 }
 
-fn vsock_connect(cid: u32, port: u32) -> std::io::Result<UnixStreamLike> {
-    // SAFETY: socket(2) with constant arguments; the result is checked before use.
-    let fd = unsafe { libc::socket(libc::AF_VSOCK, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: `fd` is a fresh descriptor this function owns.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: sockaddr_vm is plain old data; all-zero is a valid starting value.
-    let mut addr: libc::sockaddr_vm = unsafe { std::mem::zeroed() };
-    addr.svm_family = libc::AF_VSOCK as libc::sa_family_t;
-    addr.svm_cid = cid;
-    addr.svm_port = port;
-    // SAFETY: `addr` is a valid sockaddr_vm and the length passed is its size.
-    let rc = unsafe {
-        libc::connect(
-            fd.as_raw_fd(),
-            std::ptr::addr_of!(addr).cast(),
-            std::mem::size_of::<libc::sockaddr_vm>() as libc::socklen_t,
-        )
-    };
-    if rc != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // A stream socket fd works with UnixStream's read/write (plain read(2)/write(2)).
-    Ok(UnixStream::from(fd))
+/// An `AF_VSOCK` connection to `cid:port` (the shared client's dial).
+fn vsock_connect(cid: u32, port: u32) -> std::io::Result<UnixStream> {
+    qemu_harness::load::Target::Vsock { cid, port }.connect(Duration::from_secs(30))
 }
-
-type UnixStreamLike = UnixStream;
 
 /// Sends `msg`, reads what comes back within 10 s: `Ok(Some(reply))`, or `Ok(None)` when
 /// the peer closed without a byte.
@@ -319,7 +299,7 @@ fn main() -> ExitCode {
         args.pop();
     }
     let Some(cmd) = args.first().cloned() else {
-        return usage("no subcommand (signin, burst, signin-timed, serve-echo, zombies, last-words, vsock-connect, cid-test, write-and-wait)");
+        return usage("no subcommand (signin, burst, signin-timed, serve-echo, zombies, last-words, vsock-connect, cid-test, load, write-and-wait)");
     };
     let opt = |name: &str| -> Option<String> {
         args.iter()
@@ -503,6 +483,10 @@ fn main() -> ExitCode {
                 .collect();
             cid::cid_test(&relay, port, &echo, &configs)
         }
+        "load" => match loadgen::Plan::parse(opt, all) {
+            Ok(plan) => loadgen::run(&plan),
+            Err(e) => return usage(&e),
+        },
         "write-and-wait" => {
             let (Some(path), Some(size)) = (args.get(1), args.get(2).and_then(|n| n.parse().ok()))
             else {

@@ -25,7 +25,7 @@ use std::sync::OnceLock;
 use super::paths::{self, Route};
 
 /// The vsock port the benchmark's services use.
-const PORT_BASE: u32 = 6001;
+pub const PORT_BASE: u32 = 6001;
 
 /// The release binaries the chain runs, built once per benchmark run.
 #[derive(Debug, Clone)]
@@ -152,12 +152,10 @@ pub fn guest_config(services: &[(String, PathBuf, PathBuf)]) -> serde_json::Valu
     })
 }
 
-/// Starts `host-relay` and `guest-init` in front of `service`; clients connect to the
-/// returned route's entry. `tag` keeps the sockets of several chains apart.
-pub fn start(dir: &Path, tag: &str, service: &Path) -> io::Result<Route> {
-    let bins = binaries().map_err(io::Error::other)?;
-    let port = PORT_BASE;
-    let uds = dir.join(format!("{tag}-vm.vsock"));
+/// `host-relay`'s configuration for app `bench-<tag>`: per-VM socket mode on `uds`, one
+/// service on vsock port `port` to the Unix socket `service`; the `auth` tag makes it a
+/// Dovecot sign-in service with the filter, any other an echo service.
+pub fn relay_config(tag: &str, uds: &Path, port: u32, service: &Path) -> serde_json::Value {
     let dovecot = tag == "auth";
     let mut svc = serde_json::json!({
         "name": tag,
@@ -178,12 +176,21 @@ pub fn start(dir: &Path, tag: &str, service: &Path) -> io::Result<Route> {
             "reserved_networks": ["100.64.0.0/10"]
         });
     }
-    let relay_conf = serde_json::json!({
+    serde_json::json!({
         "app": format!("bench-{tag}"),
         "vm": {"id": format!("bench-{tag}"), "gateways": ["10.0.2.2"]},
         "transport": {"per_vm_socket": {"vsock_uds": uds}},
         "services": [svc],
-    });
+    })
+}
+
+/// Starts `host-relay` and `guest-init` in front of `service`; clients connect to the
+/// returned route's entry. `tag` keeps the sockets of several chains apart.
+pub fn start(dir: &Path, tag: &str, service: &Path) -> io::Result<Route> {
+    let bins = binaries().map_err(io::Error::other)?;
+    let port = PORT_BASE;
+    let uds = dir.join(format!("{tag}-vm.vsock"));
+    let relay_conf = relay_config(tag, &uds, port, service);
     let relay_path = dir.join(format!("{tag}-relay.json"));
     std::fs::write(&relay_path, relay_conf.to_string())?;
     let hybrid = PathBuf::from(format!("{}_{port}", uds.display()));

@@ -13,7 +13,8 @@
 
 use std::path::Path;
 
-use super::client;
+use qemu_harness::load;
+
 use super::echo::EchoServer;
 use super::paths::{self, Kind, Route};
 use super::report::{fmt_ratio, ratio, Row};
@@ -163,7 +164,7 @@ pub fn sockets(dir: &Path, s: &Settings, notes: &mut Vec<String>) -> anyhow::Res
         if s.wants_figure("1") {
             let mut v: [Vec<f64>; 4] = Default::default();
             interleave(&routes, round, slices, notes, "1", |r, i| {
-                v[i].extend(client::rtt(&r.entry, slice)?);
+                v[i].extend(load::rtt(&r.target(), slice)?);
                 Ok(())
             });
             for (i, v) in v.iter().enumerate().filter(|(_, v)| !v.is_empty()) {
@@ -176,7 +177,7 @@ pub fn sockets(dir: &Path, s: &Settings, notes: &mut Vec<String>) -> anyhow::Res
             let (n, len) = ((slices / 3).max(1), slice * 3);
             let mut v: [Vec<f64>; 4] = Default::default();
             interleave(&routes, round, n, notes, "2", |r, i| {
-                v[i].push(client::bulk(&r.entry, len)?);
+                v[i].push(load::bulk(&r.target(), len)?);
                 Ok(())
             });
             for (i, v) in v.iter().enumerate().filter(|(_, v)| !v.is_empty()) {
@@ -187,7 +188,7 @@ pub fn sockets(dir: &Path, s: &Settings, notes: &mut Vec<String>) -> anyhow::Res
         if s.wants_figure("3") {
             let mut v: [(Vec<f64>, Vec<f64>); 4] = Default::default();
             interleave(&routes, round, slices, notes, "3", |r, i| {
-                let (samples, rate) = client::setup(&r.entry, slice)?;
+                let (samples, rate) = load::setup(&r.target(), slice)?;
                 v[i].0.extend(samples);
                 v[i].1.push(rate);
                 Ok(())
@@ -202,7 +203,7 @@ pub fn sockets(dir: &Path, s: &Settings, notes: &mut Vec<String>) -> anyhow::Res
         if round < burst_rounds && s.wants_figure("4") {
             for i in order(round) {
                 let Some(r) = &routes[i] else { continue };
-                let b = client::burst(&r.entry, s.burst, s.burst_threads);
+                let b = load::burst(&r.target(), s.burst, s.burst_threads);
                 burst_ok.push(r.kind, b.ok as f64);
                 if b.ok < b.total {
                     notes.push(format!(

@@ -7,8 +7,9 @@
 //!
 //! Design:
 //! - **Same service, same client, four paths.** Every path ends at one in-process echo
-//!   service ([`echo`]) and is driven by the same client code ([`client`]); only the hops
-//!   differ ([`paths`], [`chain`]).
+//!   service ([`echo`]) and is driven by the same client code
+//!   (`qemu_harness::load`, which the in-guest probe runs too); only the hops differ
+//!   ([`paths`], [`chain`]).
 //! - **Interleaved rounds, medians.** These machines are noisy. Each round measures every
 //!   figure on every path, in an order rotated per round, and the table quotes the median
 //!   of the rounds ([`stats`]), so a slow moment hurts one sample of each path rather than
@@ -26,7 +27,6 @@
 //! [`report`] renders the tables and the JSON.
 
 mod chain;
-mod client;
 mod dovecot;
 mod echo;
 mod figures;
@@ -37,6 +37,7 @@ mod paths;
 mod report;
 mod stats;
 mod vm;
+mod vm_fwd;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -64,6 +65,14 @@ pub struct Settings {
     pub vm_boots: usize,
     /// In-guest sign-ins per VM boot.
     pub vm_sign_ins: usize,
+    /// Rounds of the VM forwarder comparison per boot.
+    pub vm_rounds: usize,
+    /// One figure's window per round in the VM forwarder comparison, in milliseconds.
+    pub vm_window_ms: u64,
+    /// Connections in one in-guest burst.
+    pub vm_burst: usize,
+    /// Guest threads opening the in-guest burst.
+    pub vm_burst_threads: usize,
     /// The paths to measure (`--paths`); all by default.
     pub paths: Vec<String>,
     /// The figures to measure (`--figures`, "1" to "8"); all by default.
@@ -82,6 +91,10 @@ impl Settings {
             keygens: 100,
             vm_boots: 3,
             vm_sign_ins: 200,
+            vm_rounds: 3,
+            vm_window_ms: 1500,
+            vm_burst: 1000,
+            vm_burst_threads: 8,
             paths: all_paths(),
             figures: all_figures(),
         }
@@ -98,6 +111,10 @@ impl Settings {
             keygens: 20,
             vm_boots: 1,
             vm_sign_ins: 50,
+            vm_rounds: 2,
+            vm_window_ms: 600,
+            vm_burst: 1000,
+            vm_burst_threads: 8,
             paths: all_paths(),
             figures: all_figures(),
         }
@@ -115,6 +132,11 @@ impl Settings {
             keygens: 3,
             vm_boots: 1,
             vm_sign_ins: 3,
+            // Short windows, but the full burst: 1,000 of 1,000 is what CI keeps true.
+            vm_rounds: 1,
+            vm_window_ms: 200,
+            vm_burst: 1000,
+            vm_burst_threads: 8,
             paths: all_paths(),
             figures: all_figures(),
         }
@@ -156,7 +178,8 @@ const USAGE: &str =
   --burst N     connections in the burst of figure 4 (default 5000)
   --paths LIST  comma-separated subset of direct,chain,naive,socat (e.g. to profile one)
   --figures LIST  comma-separated subset of 1-8 (e.g. 3 to profile connection setup)
-  --vm-boots N  VM boots for the VM path under TCG (default 3; 0 skips it)";
+  --vm-boots N  VM boots for the VM path under TCG (default 3; 0 skips it)
+  --vm          the VM path only (in-guest sign-ins and the forwarder comparison)";
 
 fn parse_args() -> anyhow::Result<(Settings, Option<PathBuf>)> {
     let mut args = std::env::args().skip(1);
@@ -164,6 +187,7 @@ fn parse_args() -> anyhow::Result<(Settings, Option<PathBuf>)> {
     let mut json = None;
     let (mut rounds, mut burst, mut only, mut vm_boots) = (None, None, None, None);
     let mut figures = None;
+    let mut vm_only = false;
     while let Some(a) = args.next() {
         let mut value = |name: &str| {
             args.next()
@@ -172,6 +196,7 @@ fn parse_args() -> anyhow::Result<(Settings, Option<PathBuf>)> {
         match a.as_str() {
             "--json" => json = Some(PathBuf::from(value("--json")?)),
             "--quick" => settings = Settings::quick(),
+            "--vm" => vm_only = true,
             "--smoke" => settings = Settings::smoke(),
             "--rounds" => {
                 let v = value("--rounds")?;
@@ -230,6 +255,12 @@ fn parse_args() -> anyhow::Result<(Settings, Option<PathBuf>)> {
     }
     if let Some(b) = vm_boots {
         settings.vm_boots = b;
+    }
+    if vm_only {
+        if settings.figures != all_figures() || settings.vm_boots == 0 {
+            bail!("--vm measures the VM path only: it takes neither --figures nor --vm-boots 0");
+        }
+        settings.figures = Vec::new();
     }
     Ok((settings, json))
 }
@@ -300,16 +331,26 @@ fn main() -> anyhow::Result<()> {
     if wants(&["8"]) {
         rows.extend(figures::keygen(&settings, &mut notes));
     }
-    let vm_rows = if settings.vm_boots > 0 {
-        vm::figures(&settings, &mut notes)
+    let (vm_rows, fwd_rows) = if settings.vm_boots > 0 {
+        (
+            vm::figures(&settings, &mut notes),
+            vm_fwd::figures(dir.path(), &settings, &mut notes),
+        )
     } else {
-        Vec::new()
+        (Vec::new(), Vec::new())
     };
 
     println!("{}", report::render(&rows));
     if !vm_rows.is_empty() {
         println!("VM path under QEMU/TCG (informative only: TCG speed says little about KVM)\n");
         println!("{}", report::render(&vm_rows));
+    }
+    if !fwd_rows.is_empty() {
+        println!(
+            "VM forwarders under QEMU/TCG, in the same guest through the same host relay \
+             (ratios between forwarders are the figures; absolute values are TCG's)\n"
+        );
+        println!("{}", report::render_with(&fwd_rows, vm_fwd::COLUMNS));
     }
     for n in &notes {
         println!("note: {n}");
@@ -321,6 +362,7 @@ fn main() -> anyhow::Result<()> {
             "rlimit_nofile": nofile,
             "rows": rows,
             "vm_rows": vm_rows,
+            "vm_forwarder_rows": fwd_rows,
             "notes": notes,
         });
         std::fs::write(&path, serde_json::to_string_pretty(&doc)? + "\n")

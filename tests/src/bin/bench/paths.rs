@@ -65,6 +65,13 @@ pub struct Route {
     children: Vec<Child>,
 }
 
+impl Route {
+    /// Where the client workloads connect.
+    pub fn target(&self) -> qemu_harness::load::Target {
+        qemu_harness::load::Target::Unix(self.entry.clone())
+    }
+}
+
 impl Drop for Route {
     fn drop(&mut self) {
         for c in &mut self.children {

@@ -94,34 +94,42 @@ fn fmt_value(v: Option<f64>) -> String {
     }
 }
 
-/// The table as text.
+/// The table as text, with the host paths' column names.
 pub fn render(rows: &[Row]) -> String {
-    let header = [
-        "fig", "metric", "unit", "direct", "chain", "naive", "socat", "ratios", "target", "result",
-    ];
-    let cells: Vec<[String; 10]> = rows
+    render_with(
+        rows,
+        [Some("direct"), Some("chain"), Some("naive"), Some("socat")],
+    )
+}
+
+/// The table as text, with these names for the four value columns (direct, chain,
+/// naive, socat); a `None` name leaves that column out.
+pub fn render_with(rows: &[Row], names: [Option<&str>; 4]) -> String {
+    let mut header = vec!["fig", "metric", "unit"];
+    header.extend(names.iter().flatten());
+    header.extend(["ratios", "target", "result"]);
+    let cells: Vec<Vec<String>> = rows
         .iter()
         .map(|r| {
-            [
-                r.figure.to_string(),
-                r.metric.clone(),
-                r.unit.to_string(),
-                fmt_value(r.direct),
-                fmt_value(r.chain),
-                fmt_value(r.naive),
-                fmt_value(r.socat),
-                r.ratios.clone(),
-                r.target.clone(),
-                match r.pass {
-                    Some(true) => "pass".into(),
-                    Some(false) => "MISS".into(),
-                    None if r.target.is_empty() => String::new(),
-                    None => "n/a".into(),
-                },
-            ]
+            let mut c = vec![r.figure.to_string(), r.metric.clone(), r.unit.to_string()];
+            let values = [r.direct, r.chain, r.naive, r.socat];
+            for (v, name) in values.into_iter().zip(names) {
+                if name.is_some() {
+                    c.push(fmt_value(v));
+                }
+            }
+            c.push(r.ratios.clone());
+            c.push(r.target.clone());
+            c.push(match r.pass {
+                Some(true) => "pass".into(),
+                Some(false) => "MISS".into(),
+                None if r.target.is_empty() => String::new(),
+                None => "n/a".into(),
+            });
+            c
         })
         .collect();
-    let mut width = header.map(str::len);
+    let mut width: Vec<usize> = header.iter().map(|h| h.len()).collect();
     for c in &cells {
         for (w, s) in width.iter_mut().zip(c) {
             *w = (*w).max(s.chars().count());
@@ -129,15 +137,16 @@ pub fn render(rows: &[Row]) -> String {
     }
     let line = |c: &[String]| {
         let mut out = String::from("|");
-        for (s, w) in c.iter().zip(width) {
+        for (s, &w) in c.iter().zip(&width) {
             out.push_str(&format!(" {s:<w$} |"));
         }
         out.push('\n');
         out
     };
-    let mut out = line(&header.map(String::from));
+    let header: Vec<String> = header.iter().map(|h| h.to_string()).collect();
+    let mut out = line(&header);
     out.push('|');
-    for w in width {
+    for w in &width {
         out.push_str(&format!("{}|", "-".repeat(w + 2)));
     }
     out.push('\n');
@@ -165,5 +174,14 @@ mod tests {
         assert!(t.contains("n/a"), "{t}");
         assert!(t.contains("pass") && t.contains("MISS"), "{t}");
         assert_eq!(ratio(Some(1.0), Some(0.0)), None);
+        let t = render_with(
+            &rows,
+            [Some("vsock"), Some("guest-init"), None, Some("socat")],
+        );
+        assert!(
+            t.starts_with("| fig | metric   | unit  | vsock | guest-init | socat |"),
+            "{t}"
+        );
+        assert!(!t.contains("naive"), "{t}");
     }
 }

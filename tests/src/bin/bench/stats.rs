@@ -8,25 +8,13 @@
 
 use std::time::Duration;
 
-/// The `p`-th percentile (0..=100) of `samples` by nearest rank; `None` when empty.
-pub fn percentile(samples: &[f64], p: f64) -> Option<f64> {
-    if samples.is_empty() {
-        return None;
-    }
-    let mut v = samples.to_vec();
-    v.sort_by(f64::total_cmp);
-    let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
-    Some(v[rank.clamp(1, v.len()) - 1])
-}
+/// Nearest-rank percentiles: the same function the in-guest probe uses
+/// (`qemu_harness::load`), so a percentile means the same on both sides.
+pub use qemu_harness::load::percentile;
 
 /// The median of `samples` (the 50th percentile); `None` when empty.
 pub fn median(samples: &[f64]) -> Option<f64> {
     percentile(samples, 50.0)
-}
-
-/// Microseconds in a duration, as a float.
-pub fn micros(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e6
 }
 
 /// Milliseconds in a duration, as a float.
@@ -39,12 +27,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn nearest_rank_percentiles() {
-        let v: Vec<f64> = (1..=100).map(f64::from).rev().collect();
-        assert_eq!(percentile(&v, 50.0), Some(50.0));
-        assert_eq!(percentile(&v, 99.0), Some(99.0));
-        assert_eq!(percentile(&v, 100.0), Some(100.0));
-        assert_eq!(percentile(&v, 0.0), Some(1.0));
+    fn medians_by_nearest_rank() {
         assert_eq!(median(&[3.0, 1.0, 2.0]), Some(2.0));
         assert_eq!(median(&[]), None);
     }

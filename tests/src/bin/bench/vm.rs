@@ -34,7 +34,7 @@ use super::Settings;
 
 /// Where Radicale expects Dovecot, unchanged.
 const AUTH_PATH: &str = "/var/run/dovecot/auth-client";
-const PROBE: &str = "/bin/guest-probe";
+pub const PROBE: &str = "/bin/guest-probe";
 const APP_UID: u32 = 20001;
 /// How long the in-guest sign-ins of one boot may take under TCG.
 const SIGN_IN_TIMEOUT: Duration = Duration::from_secs(600);
@@ -83,8 +83,10 @@ fn rows(boots: &[Boot], sign_ins: usize) -> Vec<Row> {
     rows
 }
 
-/// The VM rows: `s.vm_boots` boots, each with `s.vm_sign_ins` in-guest sign-ins.
-pub fn figures(s: &Settings, notes: &mut Vec<String>) -> Vec<Row> {
+/// What a VM path needs from this machine (QEMU, the guest kernel, vhost-device-vsock,
+/// the binaries, and the `extra` programs, each `(name, how to install it)`): the
+/// binaries, or every missing part in one message.
+pub fn preflight(extra: &[(bool, &str)]) -> Result<Binaries, String> {
     let mut missing = Vec::new();
     let cache = e2e::util::cache_dir();
     if !e2e::util::have_program("qemu-system-x86_64") {
@@ -101,16 +103,32 @@ pub fn figures(s: &Settings, notes: &mut Vec<String>) -> Vec<Row> {
             ));
         }
     }
-    if !e2e::dovecot::Dovecot::available() {
-        missing.push("Dovecot (apt-get install dovecot-core)".into());
+    for (present, what) in extra {
+        if !present {
+            missing.push(what.to_string());
+        }
     }
     let bins = binaries();
     if let Err(e) = &bins {
         missing.push(e.clone());
     }
-    let (Ok(bins), true) = (bins, missing.is_empty()) else {
-        notes.push(format!("VM path not measured: {}", missing.join("; ")));
-        return rows(&[], s.vm_sign_ins);
+    match bins {
+        Ok(b) if missing.is_empty() => Ok(b),
+        _ => Err(missing.join("; ")),
+    }
+}
+
+/// The VM rows: `s.vm_boots` boots, each with `s.vm_sign_ins` in-guest sign-ins.
+pub fn figures(s: &Settings, notes: &mut Vec<String>) -> Vec<Row> {
+    let bins = match preflight(&[(
+        e2e::dovecot::Dovecot::available(),
+        "Dovecot (apt-get install dovecot-core)",
+    )]) {
+        Ok(b) => b,
+        Err(e) => {
+            notes.push(format!("VM path not measured: {e}"));
+            return rows(&[], s.vm_sign_ins);
+        }
     };
     let dovecot = match e2e::dovecot::Dovecot::start(&e2e::dovecot::DovecotOptions::default()) {
         Ok(d) => d,
@@ -143,21 +161,37 @@ pub fn figures(s: &Settings, notes: &mut Vec<String>) -> Vec<Row> {
 /// guest-init's configuration: the vsock modules, the sign-in service at its unchanged
 /// path, and the probe as the app.
 fn guest_config(sign_ins: usize) -> serde_json::Value {
+    let command = json!([
+        PROBE,
+        "signin-timed",
+        sign_ins.to_string(),
+        "--socket",
+        AUTH_PATH,
+        "--try",
+        format!("{USER}:{PASSWORD}"),
+        "--then-sleep"
+    ]);
+    probe_guest_config(command, "dovecot-auth", AUTH_PATH, DOVECOT_AUTH_PORT)
+}
+
+/// A bench guest's configuration: the vsock modules, `command` as the app (uid/gid
+/// 20001, in `/tmp`), one service `name` published at `listen` for the app and forwarded
+/// to host port `port`, and the control port for an orderly stop.
+pub fn probe_guest_config(
+    command: serde_json::Value,
+    name: &str,
+    listen: &str,
+    port: u32,
+) -> serde_json::Value {
     json!({
         "version": 1,
         "hostname": "bench-vm",
         "modules": vm_image::VSOCK_MODULES,
-        "app": {
-            "command": [PROBE, "signin-timed", sign_ins.to_string(), "--socket", AUTH_PATH,
-                        "--try", format!("{USER}:{PASSWORD}"), "--then-sleep"],
-            "user": APP_UID,
-            "group": APP_UID,
-            "workdir": "/tmp"
-        },
+        "app": { "command": command, "user": APP_UID, "group": APP_UID, "workdir": "/tmp" },
         "services": [{
-            "name": "dovecot-auth",
-            "listen": AUTH_PATH,
-            "target": { "vsock": { "cid": 2, "port": DOVECOT_AUTH_PORT } },
+            "name": name,
+            "listen": listen,
+            "target": { "vsock": { "cid": 2, "port": port } },
             "owner": APP_UID,
             "group": APP_UID,
             "mode": "0660"
@@ -184,9 +218,17 @@ fn boot(bins: &Binaries, auth_client: &Path, sign_ins: usize) -> Result<Boot, St
     }];
     let mut vm = Vm::start(spec).map_err(|e| e.to_string())?;
     let ready = vm.ready().cloned().ok_or("no ready line")?;
-    let line = vm
-        .wait_for_console("guest-probe: signin-timed ", SIGN_IN_TIMEOUT)
+    // The probe prints `signin-timed done: ...` after its result line: waiting for that
+    // one means the result line is complete on the console (QEMU writes the serial
+    // console as it comes, so a line matched while it is being written can be cut short).
+    vm.wait_for_console("guest-probe: signin-timed done", SIGN_IN_TIMEOUT)
         .map_err(|e| e.to_string())?;
+    let line = vm
+        .console()
+        .lines()
+        .find(|l| l.contains("guest-probe: signin-timed ok="))
+        .map(str::to_string)
+        .ok_or("the probe printed no signin-timed result line")?;
     let stop = vm.stop().map_err(|e| e.to_string())?;
     if !stop.clean() {
         return Err(format!("the VM did not stop cleanly: {stop:?}"));
