@@ -8,8 +8,9 @@
 //! both cases the handshake signature is checked by ring against the certificate's key,
 //! so a guest presenting a certificate without its key fails the handshake.
 //!
-//! Used by the host-level agent tests and by the renewal tests; the VM tests go through
-//! `host-relay agent` instead.
+//! Used by the host-level agent tests, the renewal tests and `agent_vm_lifecycle` (over
+//! the VMM's hybrid socket, judging the guest with `host-relay agent`'s peer-authorizer);
+//! `agent_vm` goes through `host-relay agent`'s own client.
 
 use std::io::{Read, Write};
 use std::path::Path;
@@ -99,10 +100,11 @@ impl ServerCertVerifier for ServerCert {
     }
 }
 
-/// A new TLS 1.3 client connection presenting `client` (or no certificate).
+/// A new TLS 1.3 client connection presenting `client` (or no certificate), judging the
+/// server with `server` ([`ServerCert`], or e.g. `host-relay agent`'s peer-authorizer).
 pub fn connection(
     client: Option<&Credential>,
-    server: Arc<ServerCert>,
+    server: Arc<dyn ServerCertVerifier>,
 ) -> rustls::ClientConnection {
     let builder = rustls::ClientConfig::builder_with_provider(Arc::new(ring()))
         .with_protocol_versions(&[&rustls::version::TLS13])
@@ -130,6 +132,18 @@ pub fn call(
     request: &str,
 ) -> Result<serde_json::Value, String> {
     let sock = std::os::unix::net::UnixStream::connect(sock).unwrap();
+    exchange(sock, client, server, request).map(|(answer, _)| answer)
+}
+
+/// Sends `request` (one line) on `sock`, a stream already connected to the agent (a Unix
+/// path, or the VMM's hybrid socket after `CONNECT`), and returns the answer's JSON and
+/// the certificate the guest presented, or the TLS error the client saw.
+pub fn exchange(
+    sock: std::os::unix::net::UnixStream,
+    client: Option<&Credential>,
+    server: Arc<dyn ServerCertVerifier>,
+    request: &str,
+) -> Result<(serde_json::Value, Vec<u8>), String> {
     sock.set_read_timeout(Some(Duration::from_secs(60)))
         .unwrap();
     let mut tls = rustls::StreamOwned::new(connection(client, server), sock);
@@ -151,7 +165,14 @@ pub fn call(
             None => e.to_string(),
         });
     }
-    serde_json::from_str(&answer).map_err(|e| format!("not JSON ({e}): {answer}"))
+    let served = tls
+        .conn
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .map(|c| c.to_vec())
+        .unwrap_or_default();
+    let answer = serde_json::from_str(&answer).map_err(|e| format!("not JSON ({e}): {answer}"))?;
+    Ok((answer, served))
 }
 
 /// The error (an alert, usually) in what the server sent before it closed.

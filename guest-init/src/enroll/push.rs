@@ -1,8 +1,10 @@
 //! The one-time bootstrap push: the host hands the guest its material over a socket.
 //!
-//! The guest listens (vsock in a VM, a Unix socket in tests); the host connects, writes
-//! the JSON document and shuts down its write side; the guest answers `ok\n` or
-//! `error <reason>\n`. The document is parsed by [`Material::parse`] like a file's.
+//! The guest listens (vsock in a VM, a Unix socket in tests); the host connects and writes
+//! the JSON object; the guest reads until the object closes (or end of stream) and answers
+//! `ok\n` or `error <reason>\n`. The document is parsed by [`Material::parse`] like a
+//! file's. The end of the object, not a half-close, ends the document: vhost-device-vsock
+//! turns the host's `shutdown(SHUT_WR)` into a full close, which would lose the answer.
 //!
 //! Threat: a peer other than the host pushing (vsock CID check, root check on Unix), a
 //! refused pusher never seeing its answer (the rest of its input is drained, bounded), a
@@ -22,9 +24,9 @@ use vm_transport::{Conn, Endpoint, Peer};
 /// Waits for the host to push bootstrap material once, on `listen`.
 ///
 /// Only the host may push: on vsock the peer's CID must be 2 (the kernel sets it, the peer
-/// cannot), on a Unix socket the peer must be root. The host writes the JSON and shuts
-/// down its write side; the guest answers `ok\n` or `error <reason>\n` (a reason without
-/// input values). A bad push is answered and the guest keeps listening, so one mistaken
+/// cannot), on a Unix socket the peer must be root. The host writes the JSON object (a
+/// half-close after it is allowed, not needed); the guest answers `ok\n` or
+/// `error <reason>\n` (a reason without input values). A bad push is answered and the guest keeps listening, so one mistaken
 /// connection cannot make the VM give up; the first good one ends the wait. The material
 /// is kept in memory only: a restarted guest needs a new push.
 ///
@@ -153,10 +155,17 @@ async fn answer_error(conn: Conn, why: String) {
     .await;
 }
 
-/// Reads to end of stream; `None` if more than [`MAX_MATERIAL_BYTES`] arrive.
+/// Reads until the JSON object the pusher sends is complete, or to end of stream; `None`
+/// if more than [`MAX_MATERIAL_BYTES`] arrive.
+///
+/// The end of the object ends the read, so a pusher need not half-close: vhost-device-vsock
+/// (and Firecracker) turn the host's `shutdown(SHUT_WR)` into a full close, and a pusher
+/// that half-closed there never reads its answer (found by the agent's VM test). A pusher
+/// that half-closes still works where the transport carries it.
 async fn read_to_end_bounded(conn: &Conn) -> io::Result<Option<Zeroizing<Vec<u8>>>> {
     let mut buf = Zeroizing::new(vec![0u8; MAX_MATERIAL_BYTES + 1]);
     let mut len = 0;
+    let mut object = ObjectEnd::default();
     loop {
         if len > MAX_MATERIAL_BYTES {
             return Ok(None);
@@ -165,9 +174,105 @@ async fn read_to_end_bounded(conn: &Conn) -> io::Result<Option<Zeroizing<Vec<u8>
         if n == 0 {
             break;
         }
+        let done = object.feed(&buf[len..len + n]);
         len += n;
+        if done {
+            break;
+        }
     }
     let mut out = Zeroizing::new(Vec::with_capacity(len));
     out.extend_from_slice(&buf[..len]);
     Ok(Some(out))
+}
+
+/// Finds where a JSON object ends in a stream of bytes fed piece by piece: depth of `{}`
+/// and `[]` outside strings, with string escapes. Copies nothing (the bytes may hold a
+/// token); a stream that does not start with `{` never ends here (end of stream or the
+/// read timeout does, and the parser names what is wrong).
+#[derive(Default)]
+struct ObjectEnd {
+    started: bool,
+    depth: usize,
+    in_string: bool,
+    escaped: bool,
+    not_an_object: bool,
+}
+
+impl ObjectEnd {
+    /// Feeds the next bytes; true once the top-level object has closed.
+    fn feed(&mut self, bytes: &[u8]) -> bool {
+        for &b in bytes {
+            if self.not_an_object {
+                return false;
+            }
+            if !self.started {
+                match b {
+                    b' ' | b'\t' | b'\r' | b'\n' => continue,
+                    b'{' => {
+                        self.started = true;
+                        self.depth = 1;
+                        continue;
+                    }
+                    _ => {
+                        self.not_an_object = true;
+                        return false;
+                    }
+                }
+            }
+            if self.in_string {
+                if self.escaped {
+                    self.escaped = false;
+                } else if b == b'\\' {
+                    self.escaped = true;
+                } else if b == b'"' {
+                    self.in_string = false;
+                }
+                continue;
+            }
+            match b {
+                b'"' => self.in_string = true,
+                b'{' | b'[' => self.depth += 1,
+                b'}' | b']' => {
+                    self.depth = self.depth.saturating_sub(1);
+                    if self.depth == 0 {
+                        return true;
+                    }
+                }
+                _ => {}
+            }
+        }
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ObjectEnd;
+
+    fn ends(pieces: &[&str]) -> bool {
+        let mut o = ObjectEnd::default();
+        pieces.iter().any(|p| o.feed(p.as_bytes()))
+    }
+
+    #[test]
+    fn the_object_ends_at_its_closing_brace_in_any_split() {
+        let doc = r#" {"a":{"b":[1,{"c":"}]{\"\\"}]},"t":"x"}"#;
+        assert!(ends(&[doc]));
+        for i in 0..doc.len() {
+            assert!(ends(&[&doc[..i], &doc[i..]]), "split at {i}");
+            assert!(!ends(&[&doc[..i]]), "ended early at {i}");
+        }
+        let bytes: Vec<String> = doc.chars().map(String::from).collect();
+        let pieces: Vec<&str> = bytes.iter().map(String::as_str).collect();
+        assert!(ends(&pieces));
+    }
+
+    #[test]
+    fn braces_in_strings_and_non_objects_do_not_end_it() {
+        assert!(!ends(&[r#"{"a":"}"#]));
+        assert!(!ends(&[r#"{"a":"\"}"#]));
+        assert!(!ends(&["[1]", "{}"]));
+        assert!(!ends(&["x{}"]));
+        assert!(!ends(&["   "]));
+    }
 }

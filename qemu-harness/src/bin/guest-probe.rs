@@ -30,6 +30,8 @@
 //! - `write-and-wait PATH SIZE [--ignore-term]`: writes SIZE bytes of a fixed pattern to
 //!   PATH without `fsync`, then waits for SIGTERM (or ignores it), for the data-safety tests
 //!   of every way of stopping (`guest-probe/write_wait.rs`).
+//! - `tick PATH`: appends a line to PATH every 100 ms, forever; `size PATH`: prints
+//!   `size PATH N` — a job whose life the host watches from outside (`guest-probe/tick.rs`).
 //!
 //! A trailing `--then-sleep` makes it wait for SIGTERM after the action (exit 0), so the
 //! app stays up until the host stops the VM. Exit status: 0 when the action's expectation
@@ -58,6 +60,8 @@ macro_rules! say {
 mod cid;
 #[path = "guest-probe/load.rs"]
 mod loadgen;
+#[path = "guest-probe/tick.rs"]
+mod tick;
 #[path = "guest-probe/write_wait.rs"]
 mod write_wait;
 #[path = "guest-probe/zombies.rs"]
@@ -494,6 +498,18 @@ fn main() -> ExitCode {
             } else {
                 ExitCode::from(1)
             };
+        }
+        "tick" => {
+            let Some(path) = args.get(1) else {
+                return usage("tick PATH");
+            };
+            tick::tick(path)
+        }
+        "size" => {
+            let Some(path) = args.get(1) else {
+                return usage("size PATH");
+            };
+            tick::size(path)
         }
         other => return usage(&format!("unknown subcommand {other:?}")),
     };

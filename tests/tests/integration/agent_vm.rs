@@ -11,30 +11,32 @@
 //! (printed, not asserted: timings are not test assertions): the median of 50 status round
 //! trips (a full handshake each) and of 50 exec round trips, host to guest, under TCG.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use base64::Engine;
 use e2e::enroll_service::EnrollService;
-use e2e::util::{host_bin, musl_bin, on_each_kernel, require_vm_host, test_kernels};
 use guest_init::enroll::identity::Identity;
 use host_relay::agent_client::{CallError, Client, Target};
-use qemu_harness::{Image, RelaySpec, Vm, VmSpec};
+use qemu_harness::Vm;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use serde_json::json;
-use vm_image::initramfs::{ExtraFile, InitramfsSpec, Source};
 
-const ENROLL_PORT: u32 = 5002;
-const CONTROL_PORT: u32 = 1024;
-const AGENT_PORT: u32 = 1025;
-const APP_UID: u32 = 20001;
-const PROBE: &str = "/bin/guest-probe";
-const BOOTSTRAP: &str = "/etc/guest-init/bootstrap.json";
+use crate::vm_guest::{
+    accounts, each_kernel, guest_config, identity, initramfs_vm, material, service, AGENT_PORT,
+    BOOTSTRAP, PROBE,
+};
+
 const TOKEN: &str = "tok_AGENTVM_SECRET_0123456789abcdefghijklmnopq";
 
 /// An operator client with a certificate from `issuer`'s CA, trusting the guest's
 /// certificate from `management`'s CA.
-fn client(issuer: &EnrollService, management: &EnrollService, uri: &str, current: &Path) -> Client {
+pub(crate) fn client(
+    issuer: &EnrollService,
+    management: &EnrollService,
+    uri: &str,
+    current: &Path,
+) -> Client {
     let (cert, key) = issuer.issue_operator(uri, -60, 3600);
     Client::new(
         vec![CertificateDer::from(cert)],
@@ -45,7 +47,7 @@ fn client(issuer: &EnrollService, management: &EnrollService, uri: &str, current
     .unwrap()
 }
 
-fn write_current(path: &Path, id: &Identity, epoch: u64) {
+pub(crate) fn write_current(path: &Path, id: &Identity, epoch: u64) {
     std::fs::write(
         path,
         json!({
@@ -60,6 +62,14 @@ fn write_current(path: &Path, id: &Identity, epoch: u64) {
     .unwrap();
 }
 
+/// The agent's section: vsock port [`AGENT_PORT`], `exec` as `nobody` only.
+pub(crate) fn agent_section() -> serde_json::Value {
+    json!({
+        "listen": { "vsock": { "cid": u32::MAX, "port": AGENT_PORT } },
+        "exec_users": ["nobody"]
+    })
+}
+
 fn median_ms(mut v: Vec<Duration>) -> f64 {
     v.sort();
     v[v.len() / 2].as_secs_f64() * 1000.0
@@ -68,98 +78,24 @@ fn median_ms(mut v: Vec<Duration>) -> f64 {
 #[test]
 fn the_agent_serves_operators_over_vsock_and_the_host_checks_the_current_identity() {
     let _l = crate::support::heavy_lock();
-    if !require_vm_host() {
-        return;
-    }
-    let Some(kernels) = test_kernels() else {
-        return;
-    };
-    let guest_init = musl_bin("guest-init");
-    let probe = musl_bin("guest-probe");
-    on_each_kernel(&kernels, |kernel| {
-        let svc = EnrollService::start().unwrap();
+    each_kernel(true, |kernel, bins| {
         let dir = tempfile::tempdir().unwrap();
-        let svc_sock: PathBuf = dir.path().join("svc-vm-1.sock");
-        svc.listen_vm("vm-1", &svc_sock).unwrap();
-        let id = Identity {
-            workspace_namespace: "team-a".into(),
-            workspace_name: "ws1".into(),
-            workspace_uid: "0b4c5e2a-1111-2222-3333-444455556666".into(),
-            vm_uid: "vm-1".into(),
-            epoch: 3,
-        };
-        let expires = svc
-            .register(TOKEN, &id, Duration::from_secs(15 * 60))
-            .unwrap();
-        let material = svc.material_json(TOKEN, &id, expires, ENROLL_PORT);
-        let config = json!({
-            "version": 1,
-            "hostname": "vm-agent",
-            "log_level": "debug",
-            "modules": vm_image::VSOCK_MODULES,
-            "app": {
-                "command": [PROBE, "zombies", "0", "--then-sleep"],
-                "user": APP_UID,
-                "group": APP_UID,
-                "workdir": "/tmp"
-            },
-            "control": {
-                "listen": { "vsock": { "cid": u32::MAX, "port": CONTROL_PORT } },
-                "with_agent": true
-            },
-            "shutdown": { "grace_period_ms": 5000 },
-            "enrollment": {
+        let (svc, svc_sock) = service(dir.path());
+        let id = identity(3);
+        let material = material(&svc, TOKEN, &id);
+        let mut config = guest_config(
+            "vm-agent",
+            vm_image::VSOCK_MODULES,
+            json!({
                 "bootstrap": { "file": BOOTSTRAP },
                 "retry": { "initial_ms": 200, "max_ms": 2000, "max_attempts": 30 }
-            },
-            "agent": {
-                "listen": { "vsock": { "cid": u32::MAX, "port": AGENT_PORT } },
-                "exec_users": ["nobody"]
-            }
-        });
-        let mut spec = InitramfsSpec::new(&guest_init, config);
-        for (path, bytes, mode) in [
-            (BOOTSTRAP, material.to_string().into_bytes(), 0o600),
-            (
-                "/etc/passwd",
-                b"root:x:0:0:root:/:/bin/false\nnobody:x:65534:65534:nobody:/:/bin/false\n"
-                    .to_vec(),
-                0o644,
-            ),
-            (
-                "/etc/group",
-                b"root:x:0:\nnogroup:x:65534:\n".to_vec(),
-                0o644,
-            ),
-        ] {
-            spec.files.push(ExtraFile {
-                guest_path: path.into(),
-                source: Source::Bytes(bytes),
-                mode,
-            });
-        }
-        spec.files.push(ExtraFile {
-            guest_path: PROBE.into(),
-            source: Source::Host(probe.clone()),
-            mode: 0o755,
-        });
-        let mut vm_spec = VmSpec::new("agent", Image::Initramfs(Box::new(spec)));
-        vm_spec.kernel = Some(kernel.clone());
-        vm_spec.relay_bin = Some(host_bin("host-relay"));
-        vm_spec.relays.push(RelaySpec {
-            name: "enroll".into(),
-            config: json!({
-                "app": "app-a",
-                "vm": { "id": "vm-1" },
-                "transport": { "per_vm_socket": { "vsock_uds": vm_spec.vsock_uds() } },
-                "services": [{
-                    "name": "enrollment",
-                    "port": ENROLL_PORT,
-                    "upstream": { "unix": svc_sock },
-                }],
             }),
-            wait_for: vec![vm_spec.port_socket(ENROLL_PORT)],
-        });
+        );
+        config["control"]["with_agent"] = json!(true);
+        config["agent"] = agent_section();
+        let mut files = accounts();
+        files.push((BOOTSTRAP, material.to_string().into_bytes(), 0o600));
+        let vm_spec = initramfs_vm("agent", kernel, bins, config, files, &svc_sock);
         let target = Target::Hybrid(vm_spec.vsock_uds(), AGENT_PORT);
 
         let mut vm = Vm::boot(vm_spec).expect("boot");

@@ -11,22 +11,18 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use e2e::enroll_service::EnrollService;
-use e2e::util::{e2fs_tool, host_bin, require, require_vm_host};
-use guest_init::enroll::identity::Identity;
+use e2e::util::{e2fs_tool, require, require_vm_host};
 use qemu_harness::process::tail;
-use qemu_harness::{Image, Kernel, RelaySpec, Vm, VmSpec};
+use qemu_harness::{Image, Kernel, Vm, VmSpec};
 use serde_json::json;
 use sha2::{Digest, Sha256};
 use vm_image::initramfs::InitramfsSpec;
 use vm_image::rootdisk::RootDiskSpec;
 
-pub(crate) const ENROLL_PORT: u32 = 5002;
-pub(crate) const CONTROL_PORT: u32 = 1024;
-pub(crate) const APP_UID: u32 = 20001;
-pub(crate) const PROBE: &str = "/bin/guest-probe";
-pub(crate) const BOOTSTRAP: &str = "/etc/guest-init/bootstrap.json";
+use crate::vm_guest::{add_enroll_relay, guest_config, identity, material, service};
+
+pub(crate) use crate::vm_guest::{BOOTSTRAP, PROBE, VM_UID};
 pub(crate) const STATE_DIR: &str = "/var/lib/guest-init/enroll";
-pub(crate) const VM_UID: &str = "vm-1";
 
 /// Generous: boot-to-ready under TCG on this shared machine has been 7 to 20 s.
 pub(crate) const BOOT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -230,29 +226,19 @@ pub(crate) fn vm_spec(
 ) -> VmSpec {
     let mut modules: Vec<&str> = vm_image::VSOCK_MODULES.to_vec();
     modules.extend(["virtio_blk", "ext4"]);
-    let config = json!({
-        "version": 1,
-        "hostname": "vm-enroll-reboot",
-        "log_level": "debug",
-        "modules": modules,
-        "root": { "device": "/dev/vda", "fstype": "ext4", "wait_ms": 20000 },
-        "app": {
-            "command": [PROBE, "zombies", "0", "--then-sleep"],
-            "user": APP_UID,
-            "group": APP_UID,
-            "workdir": "/tmp"
-        },
-        "control": { "listen": { "vsock": { "cid": u32::MAX, "port": CONTROL_PORT } } },
-        "shutdown": { "grace_period_ms": 5000 },
-        "enrollment": {
+    let mut config = guest_config(
+        "vm-enroll-reboot",
+        &modules,
+        json!({
             "bootstrap": { "file": BOOTSTRAP },
             "key_store": key_store,
             "state_dir": STATE_DIR,
             // Long enough that boot 1 cannot time out and retry before the test kills it.
             "timeout_ms": 120_000,
             "retry": { "initial_ms": 200, "max_ms": 2000, "max_attempts": 30 }
-        }
-    });
+        }),
+    );
+    config["root"] = json!({ "device": "/dev/vda", "fstype": "ext4", "wait_ms": 20000 });
     let mut spec = VmSpec::new(
         name,
         Image::Initramfs(Box::new(InitramfsSpec::new(guest_init, config))),
@@ -260,21 +246,7 @@ pub(crate) fn vm_spec(
     spec.kernel = Some(kernel.clone());
     spec.disks = vec![(disk.to_path_buf(), false)];
     spec.ready_timeout = BOOT_TIMEOUT;
-    spec.relay_bin = Some(host_bin("host-relay"));
-    spec.relays.push(RelaySpec {
-        name: "enroll".into(),
-        config: json!({
-            "app": "app-a",
-            "vm": {"id": VM_UID},
-            "transport": {"per_vm_socket": {"vsock_uds": spec.vsock_uds()}},
-            "services": [{
-                "name": "enrollment",
-                "port": ENROLL_PORT,
-                "upstream": { "unix": svc_sock },
-            }],
-        }),
-        wait_for: vec![spec.port_socket(ENROLL_PORT)],
-    });
+    add_enroll_relay(&mut spec, svc_sock);
     spec
 }
 
@@ -307,20 +279,9 @@ pub(crate) fn service_and_disk(
     token: &str,
 ) -> (EnrollService, PathBuf, PathBuf) {
     // The service, its endpoint for this VM, and the token bound to the VM's identity.
-    let svc = EnrollService::start().unwrap();
-    let svc_sock = work.join("svc-vm-1.sock");
-    svc.listen_vm(VM_UID, &svc_sock).unwrap();
-    let id = Identity {
-        workspace_namespace: "team-a".into(),
-        workspace_name: "ws1".into(),
-        workspace_uid: "0b4c5e2a-1111-2222-3333-444455556666".into(),
-        vm_uid: VM_UID.into(),
-        epoch: 7,
-    };
-    let expires = svc
-        .register(token, &id, Duration::from_secs(15 * 60))
-        .unwrap();
-    let material = svc.material_json(token, &id, expires, ENROLL_PORT);
+    let (svc, svc_sock) = service(work);
+    let id = identity(7);
+    let material = material(&svc, token, &id);
 
     // The root disk: the app and the bootstrap material; the guest adds its state.
     let tree = work.join("root");

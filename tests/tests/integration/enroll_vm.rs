@@ -11,97 +11,39 @@
 //!
 //! One VM per test binary run, under a process-wide lock like the other VM tests.
 
-use std::path::PathBuf;
-use std::time::Duration;
-
-use e2e::enroll_service::EnrollService;
-use e2e::util::{host_bin, musl_bin, on_each_kernel, require_vm_host, test_kernels};
-use guest_init::enroll::identity::Identity;
-use qemu_harness::{Image, RelaySpec, Vm, VmSpec};
+use qemu_harness::Vm;
 use serde_json::json;
-use vm_image::initramfs::{ExtraFile, InitramfsSpec, Source};
 
-const ENROLL_PORT: u32 = 5002;
-const CONTROL_PORT: u32 = 1024;
-const APP_UID: u32 = 20001;
-const PROBE: &str = "/bin/guest-probe";
-const BOOTSTRAP: &str = "/etc/guest-init/bootstrap.json";
+use crate::vm_guest::{
+    each_kernel, guest_config, identity, initramfs_vm, material, service, BOOTSTRAP,
+};
 
 #[test]
 fn vm_enrolls_through_vsock_and_host_relay_before_the_app_starts() {
     let _l = crate::support::heavy_lock();
-    if !require_vm_host() {
-        return;
-    }
-    let Some(kernels) = test_kernels() else {
-        return;
-    };
-    let guest_init = musl_bin("guest-init");
-    let probe = musl_bin("guest-probe");
-    on_each_kernel(&kernels, |kernel| {
-        let svc = EnrollService::start().unwrap();
+    each_kernel(true, |kernel, bins| {
         let svc_dir = tempfile::tempdir().unwrap();
-        let svc_sock: PathBuf = svc_dir.path().join("svc-vm-1.sock");
-        svc.listen_vm("vm-1", &svc_sock).unwrap();
-        let id = Identity {
-            workspace_namespace: "team-a".into(),
-            workspace_name: "ws1".into(),
-            workspace_uid: "0b4c5e2a-1111-2222-3333-444455556666".into(),
-            vm_uid: "vm-1".into(),
-            epoch: u64::MAX,
-        };
+        let (svc, svc_sock) = service(svc_dir.path());
+        let id = identity(u64::MAX);
         let token = "tok_VM_SECRET_0123456789abcdefghijklmnopqrstuv";
-        let expires = svc
-            .register(token, &id, Duration::from_secs(15 * 60))
-            .unwrap();
-        let material = svc.material_json(token, &id, expires, ENROLL_PORT);
+        let material = material(&svc, token, &id);
 
-        let config = json!({
-            "version": 1,
-            "hostname": "vm-enroll",
-            "log_level": "debug",
-            "modules": vm_image::VSOCK_MODULES,
-            "app": {
-                "command": [PROBE, "zombies", "0", "--then-sleep"],
-                "user": APP_UID,
-                "group": APP_UID,
-                "workdir": "/tmp"
-            },
-            "control": { "listen": { "vsock": { "cid": u32::MAX, "port": CONTROL_PORT } } },
-            "shutdown": { "grace_period_ms": 5000 },
-            "enrollment": {
+        let config = guest_config(
+            "vm-enroll",
+            vm_image::VSOCK_MODULES,
+            json!({
                 "bootstrap": { "file": BOOTSTRAP },
                 "retry": { "initial_ms": 200, "max_ms": 2000, "max_attempts": 30 }
-            }
-        });
-        let mut spec = InitramfsSpec::new(&guest_init, config);
-        spec.files.push(ExtraFile {
-            guest_path: PROBE.into(),
-            source: Source::Host(probe.clone()),
-            mode: 0o755,
-        });
-        spec.files.push(ExtraFile {
-            guest_path: BOOTSTRAP.into(),
-            source: Source::Bytes(material.to_string().into_bytes()),
-            mode: 0o600,
-        });
-        let mut vm_spec = VmSpec::new("enroll", Image::Initramfs(Box::new(spec)));
-        vm_spec.kernel = Some(kernel.clone());
-        vm_spec.relay_bin = Some(host_bin("host-relay"));
-        vm_spec.relays.push(RelaySpec {
-            name: "enroll".into(),
-            config: json!({
-                "app": "app-a",
-                "vm": { "id": "vm-1" },
-                "transport": { "per_vm_socket": { "vsock_uds": vm_spec.vsock_uds() } },
-                "services": [{
-                    "name": "enrollment",
-                    "port": ENROLL_PORT,
-                    "upstream": { "unix": svc_sock },
-                }],
             }),
-            wait_for: vec![vm_spec.port_socket(ENROLL_PORT)],
-        });
+        );
+        let vm_spec = initramfs_vm(
+            "enroll",
+            kernel,
+            bins,
+            config,
+            vec![(BOOTSTRAP, material.to_string().into_bytes(), 0o600)],
+            &svc_sock,
+        );
 
         let mut vm = Vm::boot(vm_spec).expect("boot");
         let ready = vm.wait_ready();
