@@ -83,8 +83,8 @@ fn socket(family: libc::c_int, timeout: Duration) -> io::Result<OwnedFd> {
     // SAFETY: `fd` is a fresh descriptor that nothing else owns.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
     let tv = libc::timeval {
-        tv_sec: timeout.as_secs() as libc::time_t,
-        tv_usec: timeout.subsec_micros() as libc::suseconds_t,
+        tv_sec: timeout.as_secs() as _,
+        tv_usec: timeout.subsec_micros() as _,
     };
     for opt in [libc::SO_SNDTIMEO, libc::SO_RCVTIMEO] {
         // SAFETY: `tv` is a valid timeval and the length passed is its size.

@@ -6,8 +6,9 @@
 //! current identity.
 //!
 //! Asserted: status names the enrolled identity; exec as a listed user returns its output
-//! and status; exec past its deadline is killed; a client from another CA is refused; an
-//! epoch raised in the current-identity file makes the client refuse the guest. Measured
+//! and status; exec past its deadline is killed; a client from another CA is refused; a
+//! current-identity file naming another VM UID, then a raised epoch, makes the client refuse
+//! the guest. Measured
 //! (printed, not asserted: timings are not test assertions): the median of 50 status round
 //! trips (a full handshake each) and of 50 exec round trips, host to guest, under TCG.
 
@@ -167,6 +168,20 @@ fn the_agent_serves_operators_over_vsock_and_the_host_checks_the_current_identit
             median_ms(handshakes),
             median_ms(execs)
         );
+
+        // The controller moved the workspace to another VM: the host refuses this guest,
+        // then serves it again once the file names it (the file is read on each handshake).
+        let moved = Identity {
+            vm_uid: "vm-2".into(),
+            ..id.clone()
+        };
+        write_current(&current, &moved, 3);
+        match call(&operator, json!({"v": 1, "op": "status"})) {
+            Err(CallError::Refused(e)) => assert!(e.to_string().contains("vm-2"), "{e}"),
+            other => panic!("a guest of another VM UID was not refused: {other:?}"),
+        }
+        write_current(&current, &id, 3);
+        call(&operator, json!({"v": 1, "op": "status"})).expect("served again");
 
         // The controller raised the epoch: the host refuses the guest's certificate.
         write_current(&current, &id, 4);
