@@ -28,6 +28,15 @@ fn swtpm(state: &Path) -> Option<RawServer> {
     Some(RawServer::start(state).expect("start swtpm"))
 }
 
+/// A temporary directory holding a fresh TPM's state in `tpm/` (key files go in `keys/`),
+/// and that TPM, or `None` as [`swtpm`].
+fn fresh_tpm() -> Option<(tempfile::TempDir, RawServer)> {
+    let d = tempfile::tempdir().unwrap();
+    std::fs::create_dir(d.path().join("tpm")).unwrap();
+    let tpm = swtpm(&d.path().join("tpm"))?;
+    Some((d, tpm))
+}
+
 /// A connector for the store: a fresh connection to the server per operation.
 fn connector(server: &RawServer) -> Connector {
     let sock = server.socket().to_path_buf();
@@ -42,12 +51,10 @@ fn verify(public_sec1: &[u8], msg: &[u8], der: &[u8]) -> bool {
 
 #[test]
 fn keys_are_made_by_the_tpm_and_survive_a_tpm_restart() {
-    let d = tempfile::tempdir().unwrap();
-    let (state, dir) = (d.path().join("tpm"), d.path().join("keys"));
-    std::fs::create_dir(&state).unwrap();
-    let Some(tpm) = swtpm(&state) else {
+    let Some((d, tpm)) = fresh_tpm() else {
         return;
     };
+    let dir = d.path().join("keys");
     let store = TpmKeyStore::with_connector(&dir, connector(&tpm)).unwrap();
     let (slot, key) = store.generate().unwrap();
     let der = key.sign_der(b"hello").unwrap();
@@ -70,7 +77,7 @@ fn keys_are_made_by_the_tpm_and_survive_a_tpm_restart() {
 
     // The same TPM state after a restart (a reboot) loads and signs with it.
     drop(tpm);
-    let tpm = swtpm(&state).unwrap();
+    let tpm = swtpm(&d.path().join("tpm")).unwrap();
     let store = TpmKeyStore::with_connector(&dir, connector(&tpm)).unwrap();
     let reopened = store.open(&slot).unwrap().unwrap();
     assert_eq!(reopened.public_sec1(), key.public_sec1());
@@ -116,12 +123,10 @@ fn another_tpm_cannot_load_the_blob_and_says_so() {
 
 #[test]
 fn a_swapped_or_damaged_blob_is_refused() {
-    let d = tempfile::tempdir().unwrap();
-    let (state, dir) = (d.path().join("tpm"), d.path().join("keys"));
-    std::fs::create_dir(&state).unwrap();
-    let Some(tpm) = swtpm(&state) else {
+    let Some((d, tpm)) = fresh_tpm() else {
         return;
     };
+    let dir = d.path().join("keys");
     let store = TpmKeyStore::with_connector(&dir, connector(&tpm)).unwrap();
     let (a, _) = store.generate().unwrap();
     let (b, _) = store.generate().unwrap();
@@ -202,12 +207,10 @@ impl Read for Replay {
 /// `TPM_FUZZ_SEEDS` to a directory to write both there.
 #[test]
 fn recorded_tpm_answers_replay_to_the_same_key_and_signature() {
-    let d = tempfile::tempdir().unwrap();
-    let (state, dir) = (d.path().join("tpm"), d.path().join("keys"));
-    std::fs::create_dir(&state).unwrap();
-    let Some(tpm) = swtpm(&state) else {
+    let Some((d, tpm)) = fresh_tpm() else {
         return;
     };
+    let dir = d.path().join("keys");
     let answers = Arc::new(Mutex::new(Vec::new()));
     let (sock, rec) = (tpm.socket().to_path_buf(), answers.clone());
     let recording: Connector = Arc::new(move || {
