@@ -77,6 +77,20 @@ pub fn host_bin(name: &str) -> PathBuf {
     }
 }
 
+/// The host `guest-init` started with `--config cfg`, no stdin, its stdout and stderr
+/// both appended to the file `log` (created), for tests that read its log.
+pub fn spawn_guest_init_logged(cfg: &Path, log: &Path) -> std::process::Child {
+    let f = std::fs::File::create(log).unwrap();
+    std::process::Command::new(host_bin("guest-init"))
+        .arg("--config")
+        .arg(cfg)
+        .stdin(std::process::Stdio::null())
+        .stdout(f.try_clone().unwrap())
+        .stderr(f)
+        .spawn()
+        .expect("start guest-init")
+}
+
 /// A static musl binary of the workspace (what a VM boots), from `$<NAME>_MUSL` or the
 /// release musl target directory (brought up to date first).
 pub fn musl_bin(name: &str) -> PathBuf {

@@ -12,13 +12,13 @@
 use std::io::{Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use base64::Engine;
 use e2e::enroll_service::EnrollService;
 use e2e::operator::{self, Credential, ServerCert};
-use e2e::util::host_bin;
+use e2e::util::{host_bin, spawn_guest_init_logged};
 use guest_init::enroll::identity::Identity;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
@@ -88,15 +88,7 @@ impl Guest {
             .to_string(),
         )
         .unwrap();
-        let log = std::fs::File::create(dir.path().join("guest.log")).unwrap();
-        let child = Command::new(host_bin("guest-init"))
-            .arg("--config")
-            .arg(&cfg)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .expect("start guest-init");
+        let child = spawn_guest_init_logged(&cfg, &dir.path().join("guest.log"));
         let g = Guest {
             dir,
             svc,

@@ -5,6 +5,7 @@
 use e2e::operator::{self, ServerCert};
 
 use super::*;
+use e2e::util::spawn_guest_init_logged;
 
 /// Issued certificates live 120 s; the reference service backdates notBefore by 60 s, so
 /// a guest renewing at 67 % renews about 20 s after it enrolled.
@@ -69,15 +70,7 @@ impl Env {
         )
         .unwrap();
         let log = self.path("guest.log");
-        let f = std::fs::File::create(&log).unwrap();
-        let child = Command::new(host_bin("guest-init"))
-            .arg("--config")
-            .arg(&cfg)
-            .stdin(Stdio::null())
-            .stdout(f.try_clone().unwrap())
-            .stderr(f)
-            .spawn()
-            .expect("start guest-init");
+        let child = spawn_guest_init_logged(&cfg, &log);
         let g = Running { child, log };
         g.wait_log("agent: listening at");
         self.collect_keys();
