@@ -18,6 +18,7 @@ mod enroll_e2e;
 mod enroll_vm;
 mod enroll_vm_reboot;
 mod enroll_vm_tpm;
+mod guest_init_binary;
 mod relay_burst_of_sign_ins;
 mod relay_burst_within_the_services_limit;
 mod relay_forged_names_change_nothing;
