@@ -74,6 +74,16 @@ impl Target {
     }
 }
 
+/// The form [`Target::parse`] reads back.
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Target::Unix(path) => write!(f, "{}", path.display()),
+            Target::Vsock { cid, port } => write!(f, "vsock:{cid}:{port}"),
+        }
+    }
+}
+
 fn socket(family: libc::c_int, timeout: Duration) -> io::Result<OwnedFd> {
     // SAFETY: socket(2) with constant arguments; the result is checked before use.
     let fd = unsafe { libc::socket(family, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
@@ -176,11 +186,14 @@ fn echo_once(s: &mut (impl Read + Write)) -> io::Result<()> {
     Ok(())
 }
 
+/// Round trips [`rtt`] makes before it starts sampling.
+pub const RTT_WARMUP: usize = 50;
+
 /// Round-trip times in microseconds of 64-byte ping-pongs for `dur`.
 pub fn rtt(to: &Target, dur: Duration) -> io::Result<Vec<f64>> {
     let mut s = to.connect(OP_TIMEOUT)?;
     // Warm the path (first-use allocations, buffer pool) before sampling.
-    for _ in 0..50 {
+    for _ in 0..RTT_WARMUP {
         echo_once(&mut s)?;
     }
     let mut samples = Vec::with_capacity(32 * 1024);
@@ -442,6 +455,9 @@ mod tests {
         );
         assert_eq!(Target::parse("vsock:2"), None);
         assert_eq!(Target::parse("relative.sock"), None);
+        for t in ["vsock:2:6001", "/run/a.sock"] {
+            assert_eq!(Target::parse(t).unwrap().to_string(), t);
+        }
     }
 
     #[test]

@@ -26,7 +26,12 @@
 //! - `load --path NAME=TARGET ... [--socat BIN --socat-listen PATH --socat-to CID:PORT]
 //!   [--rounds R] [--window-ms W] [--burst N] [--burst-threads T]`: the benchmark's RTT,
 //!   bulk, setup and burst workloads against each path in turns, one line per round and
-//!   path (`guest-probe/load.rs`).
+//!   path (`guest-probe/load.rs`); with `--perf BIN`, then a profile of each path's round
+//!   trip (`guest-probe/profile.rs`).
+//! - `rtt TARGET MS`: 64-byte round trips on TARGET for MS milliseconds; prints `rtt n=..`
+//!   (the workload `load --perf` runs under `perf`).
+//! - As PID 1 (`rdinit=/bin/guest-probe`, for `load --perf`): mounts tracefs for the app
+//!   and execs `/init` (`guest-probe/profile.rs`).
 //! - `write-and-wait PATH SIZE [--ignore-term]`: writes SIZE bytes of a fixed pattern to
 //!   PATH without `fsync`, then waits for SIGTERM (or ignores it), for the data-safety tests
 //!   of every way of stopping (`guest-probe/write_wait.rs`).
@@ -60,6 +65,8 @@ macro_rules! say {
 mod cid;
 #[path = "guest-probe/load.rs"]
 mod loadgen;
+#[path = "guest-probe/profile.rs"]
+mod profile;
 #[path = "guest-probe/tick.rs"]
 mod tick;
 #[path = "guest-probe/write_wait.rs"]
@@ -292,6 +299,10 @@ fn count_socket_try(
 }
 
 fn main() -> ExitCode {
+    if std::process::id() == 1 {
+        // `rdinit=/bin/guest-probe`: the profiling pre-init, which becomes guest-init.
+        profile::pre_init();
+    }
     block_term();
     let mut args: Vec<String> = std::env::args().skip(1).collect();
     let then_sleep = args.last().is_some_and(|a| a == "--then-sleep");
@@ -487,6 +498,17 @@ fn main() -> ExitCode {
             Ok(plan) => loadgen::run(&plan),
             Err(e) => return usage(&e),
         },
+        "rtt" => {
+            let (Some(target), Some(ms)) = (args.get(1), args.get(2).and_then(|n| n.parse().ok()))
+            else {
+                return usage("rtt TARGET MS");
+            };
+            return if profile::rtt_once(target, ms) {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            };
+        }
         "write-and-wait" => {
             let (Some(path), Some(size)) = (args.get(1), args.get(2).and_then(|n| n.parse().ok()))
             else {

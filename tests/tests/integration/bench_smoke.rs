@@ -189,6 +189,7 @@ fn bad_arguments_are_refused_with_their_name() {
         (&["--figures", "9"][..], "--figures"),
         (&["--vm", "--vm-boots", "0"][..], "--vm"),
         (&["--vm", "--figures", "1"][..], "--vm"),
+        (&["--vm-profile", "--vm-boots", "0"][..], "--vm-profile"),
     ] {
         let out = bench().args(args).output().expect("run the bench binary");
         assert!(!out.status.success(), "{args:?} must be refused");

@@ -4,7 +4,7 @@
 //! ```text
 //! guest-probe load --path guest-init=/run/bench/echo.sock --path socat=/tmp/socat.sock \
 //!     --path vsock=vsock:2:6001 --socat BIN --socat-listen /tmp/socat.sock --socat-to 2:6001 \
-//!     --rounds R --window-ms W --burst N --burst-threads T
+//!     --rounds R --window-ms W --burst N --burst-threads T [--perf BIN [--perf-ms MS]]
 //! ```
 //!
 //! Each `--path NAME=TARGET` is a way to the same host echo service: a Unix socket a
@@ -26,7 +26,8 @@
 //! Output, one line per round and path (the host takes medians over rounds):
 //! `guest-probe: load round=R path=NAME rtt_p50_us=.. rtt_p99_us=.. bulk_mibs=..
 //! setup_rate=.. setup_p50_us=.. setup_p99_us=.. burst_ok=.. burst_total=.. burst_ms=..`
-//! (a field that could not be measured is left out), then `guest-probe: load finished`.
+//! (a field that could not be measured is left out), then, with `--perf`, the profile of
+//! each path's round trip (`guest-probe/profile.rs`), then `guest-probe: load finished`.
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -53,6 +54,8 @@ pub struct Plan {
     pub burst_threads: usize,
     /// socat as a forwarder: (binary, listen path, vsock cid, vsock port).
     pub socat: Option<(String, String, u32, u32)>,
+    /// `perf` to profile each path's round trip with, after the rounds, for this long.
+    pub perf: Option<(String, Duration)>,
 }
 
 impl Plan {
@@ -99,6 +102,10 @@ impl Plan {
             window: Duration::from_millis(num("--window-ms", 1500)? as u64),
             burst: num("--burst", 1000)?,
             burst_threads: num("--burst-threads", 8)?,
+            perf: match opt("--perf") {
+                Some(p) => Some((p, Duration::from_millis(num("--perf-ms", 3000)? as u64))),
+                None => None,
+            },
             socat,
         })
     }
@@ -260,6 +267,14 @@ pub fn run(plan: &Plan) -> bool {
                 && f.burst.as_ref().is_some_and(|b| b.ok == b.total);
             say!("{}", f.line(round + 1, name));
         }
+    }
+    if let Some((perf, window)) = &plan.perf {
+        let paths: Vec<(String, String)> = plan
+            .paths
+            .iter()
+            .map(|(name, to)| (name.clone(), to.to_string()))
+            .collect();
+        super::profile::run(perf, &paths, window.as_millis() as u64);
     }
     if let Some(mut c) = socat {
         // SIGKILL: socat inherited this process's blocked SIGTERM (`block_term`).

@@ -38,6 +38,7 @@ mod report;
 mod stats;
 mod vm;
 mod vm_fwd;
+mod vm_profile;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -73,6 +74,8 @@ pub struct Settings {
     pub vm_burst: usize,
     /// Guest threads opening the in-guest burst.
     pub vm_burst_threads: usize,
+    /// Profile each forwarder's round trip inside the guest with `perf` (`--vm-profile`).
+    pub vm_profile: bool,
     /// The paths to measure (`--paths`); all by default.
     pub paths: Vec<String>,
     /// The figures to measure (`--figures`, "1" to "8"); all by default.
@@ -95,6 +98,7 @@ impl Settings {
             vm_window_ms: 1500,
             vm_burst: 1000,
             vm_burst_threads: 8,
+            vm_profile: false,
             paths: all_paths(),
             figures: all_figures(),
         }
@@ -115,6 +119,7 @@ impl Settings {
             vm_window_ms: 600,
             vm_burst: 1000,
             vm_burst_threads: 8,
+            vm_profile: false,
             paths: all_paths(),
             figures: all_figures(),
         }
@@ -137,6 +142,7 @@ impl Settings {
             vm_window_ms: 200,
             vm_burst: 1000,
             vm_burst_threads: 8,
+            vm_profile: false,
             paths: all_paths(),
             figures: all_figures(),
         }
@@ -179,7 +185,8 @@ const USAGE: &str =
   --paths LIST  comma-separated subset of direct,chain,naive,socat (e.g. to profile one)
   --figures LIST  comma-separated subset of 1-8 (e.g. 3 to profile connection setup)
   --vm-boots N  VM boots for the VM path under TCG (default 3; 0 skips it)
-  --vm          the VM path only (in-guest sign-ins and the forwarder comparison)";
+  --vm          the VM path only (in-guest sign-ins and the forwarder comparison)
+  --vm-profile  also profile each forwarder's round trip in the guest with the host's perf";
 
 fn parse_args() -> anyhow::Result<(Settings, Option<PathBuf>)> {
     let mut args = std::env::args().skip(1);
@@ -188,6 +195,7 @@ fn parse_args() -> anyhow::Result<(Settings, Option<PathBuf>)> {
     let (mut rounds, mut burst, mut only, mut vm_boots) = (None, None, None, None);
     let mut figures = None;
     let mut vm_only = false;
+    let mut vm_profile = false;
     while let Some(a) = args.next() {
         let mut value = |name: &str| {
             args.next()
@@ -197,6 +205,7 @@ fn parse_args() -> anyhow::Result<(Settings, Option<PathBuf>)> {
             "--json" => json = Some(PathBuf::from(value("--json")?)),
             "--quick" => settings = Settings::quick(),
             "--vm" => vm_only = true,
+            "--vm-profile" => vm_profile = true,
             "--smoke" => settings = Settings::smoke(),
             "--rounds" => {
                 let v = value("--rounds")?;
@@ -255,6 +264,10 @@ fn parse_args() -> anyhow::Result<(Settings, Option<PathBuf>)> {
     }
     if let Some(b) = vm_boots {
         settings.vm_boots = b;
+    }
+    settings.vm_profile = vm_profile;
+    if vm_profile && settings.vm_boots == 0 {
+        bail!("--vm-profile profiles the VM forwarders: it does not go with --vm-boots 0");
     }
     if vm_only {
         if settings.figures != all_figures() || settings.vm_boots == 0 {
@@ -331,10 +344,11 @@ fn main() -> anyhow::Result<()> {
     if wants(&["8"]) {
         rows.extend(figures::keygen(&settings, &mut notes));
     }
+    let mut profile = Vec::new();
     let (vm_rows, fwd_rows) = if settings.vm_boots > 0 {
         (
             vm::figures(&settings, &mut notes),
-            vm_fwd::figures(dir.path(), &settings, &mut notes),
+            vm_fwd::figures(dir.path(), &settings, &mut notes, &mut profile),
         )
     } else {
         (Vec::new(), Vec::new())
@@ -352,6 +366,13 @@ fn main() -> anyhow::Result<()> {
         );
         println!("{}", report::render_with(&fwd_rows, vm_fwd::COLUMNS));
     }
+    if !profile.is_empty() {
+        println!("VM forwarders: in-guest profile of each path's 64 B round trip (--vm-profile)\n");
+        for l in &profile {
+            println!("{l}");
+        }
+        println!();
+    }
     for n in &notes {
         println!("note: {n}");
     }
@@ -363,6 +384,7 @@ fn main() -> anyhow::Result<()> {
             "rows": rows,
             "vm_rows": vm_rows,
             "vm_forwarder_rows": fwd_rows,
+            "vm_forwarder_profile": profile,
             "notes": notes,
         });
         std::fs::write(&path, serde_json::to_string_pretty(&doc)? + "\n")

@@ -35,7 +35,7 @@ use super::Settings;
 /// Where Radicale expects Dovecot, unchanged.
 const AUTH_PATH: &str = "/var/run/dovecot/auth-client";
 pub const PROBE: &str = "/bin/guest-probe";
-const APP_UID: u32 = 20001;
+pub const APP_UID: u32 = 20001;
 /// How long the in-guest sign-ins of one boot may take under TCG.
 const SIGN_IN_TIMEOUT: Duration = Duration::from_secs(600);
 

@@ -82,24 +82,31 @@ fn parse_line(line: &str) -> Option<Line> {
     (!out.path.is_empty()).then_some(out)
 }
 
-/// socat and what it needs to run in the guest: the binary at [`SOCAT`], every shared
-/// library `ldd` lists and the loader, each at the path `ldd` printed (the paths the
-/// loader searches by default).
+/// socat and what it needs to run in the guest, with the binary at [`SOCAT`].
 pub fn socat_files() -> Result<Vec<ExtraFile>, String> {
     let host = which("socat").ok_or("socat is not installed (apt-get install socat)")?;
+    host_program(&host, SOCAT)
+}
+
+/// A dynamically linked host program and what it needs to run in the guest: the binary
+/// at `guest_path`, every shared library `ldd` lists and the loader, each at the path
+/// `ldd` printed (the paths the loader searches by default).
+pub fn host_program(host: &Path, guest_path: &str) -> Result<Vec<ExtraFile>, String> {
     let out = Command::new("ldd")
-        .arg(&host)
+        .arg(host)
         .output()
         .map_err(|e| format!("cannot run ldd on {}: {e}", host.display()))?;
     if !out.status.success() {
         return Err(format!("ldd {} failed", host.display()));
     }
     let mut files = vec![ExtraFile {
-        guest_path: SOCAT.into(),
-        source: Source::Host(host),
+        guest_path: guest_path.into(),
+        source: Source::Host(host.to_path_buf()),
         mode: 0o755,
     }];
-    for lib in ldd_paths(&String::from_utf8_lossy(&out.stdout))? {
+    let libs = ldd_paths(&String::from_utf8_lossy(&out.stdout))
+        .map_err(|e| format!("{}: {e}", host.display()))?;
+    for lib in libs {
         files.push(ExtraFile {
             guest_path: lib.clone(),
             source: Source::Host(lib.into()),
@@ -114,7 +121,7 @@ fn ldd_paths(out: &str) -> Result<Vec<String>, String> {
     let mut paths = Vec::new();
     for line in out.lines().map(str::trim) {
         if line.contains("not found") {
-            return Err(format!("socat needs a library that is missing: {line}"));
+            return Err(format!("needs a library that is missing: {line}"));
         }
         let path = match line.split_once("=>") {
             Some((_, right)) => right.split_whitespace().next(),
@@ -127,7 +134,7 @@ fn ldd_paths(out: &str) -> Result<Vec<String>, String> {
     Ok(paths)
 }
 
-fn which(program: &str) -> Option<PathBuf> {
+pub fn which(program: &str) -> Option<PathBuf> {
     std::env::var_os("PATH")?
         .to_str()?
         .split(':')
@@ -136,8 +143,9 @@ fn which(program: &str) -> Option<PathBuf> {
 }
 
 /// guest-init's configuration: the vsock modules, the echo service at
-/// [`FORWARDER_PATH`], and the probe as the app.
-fn guest_config(s: &Settings) -> serde_json::Value {
+/// [`FORWARDER_PATH`], and the probe as the app (profiling each path after its rounds
+/// with `profile`).
+fn guest_config(s: &Settings, profile: bool) -> serde_json::Value {
     let port = PORT_BASE;
     let mut command: Vec<String> = [PROBE, "load"].map(String::from).to_vec();
     for arg in [
@@ -158,26 +166,43 @@ fn guest_config(s: &Settings) -> serde_json::Value {
     ] {
         command.extend([k.to_string(), v]);
     }
+    if profile {
+        command.extend(["--perf".into(), super::vm_profile::GUEST_PERF.into()]);
+    }
     command.push("--then-sleep".into());
     super::vm::probe_guest_config(json!(command), "echo", FORWARDER_PATH, port)
 }
 
-/// Boots one VM, waits for the probe to finish, and returns its lines (and any error
-/// lines it printed, as notes).
+/// What one boot printed: the probe's lines, its error lines (as notes) and, when
+/// profiling, the profile's lines.
+type BootOutput = (Vec<Line>, Vec<String>, Vec<String>);
+
+/// Host programs the guest image carries: socat, and `perf` when profiling.
+struct Carried {
+    socat: Vec<ExtraFile>,
+    perf: Option<Vec<ExtraFile>>,
+}
+
+/// Boots one VM and waits for the probe to finish.
 fn boot(
     bins: &Binaries,
-    socat: &[ExtraFile],
+    carried: &Carried,
     echo: &Path,
     s: &Settings,
-) -> Result<(Vec<Line>, Vec<String>), String> {
-    let mut image = InitramfsSpec::new(&bins.guest_init, guest_config(s));
+) -> Result<BootOutput, String> {
+    let profile = carried.perf.is_some();
+    let mut image = InitramfsSpec::new(&bins.guest_init, guest_config(s, profile));
     image.files.push(ExtraFile {
         guest_path: PROBE.into(),
         source: Source::Host(bins.guest_probe.clone()),
         mode: 0o755,
     });
-    image.files.extend(socat.iter().cloned());
+    image.files.extend(carried.socat.iter().cloned());
+    image.files.extend(carried.perf.iter().flatten().cloned());
     let mut spec = VmSpec::new("bench-fwd", Image::Initramfs(Box::new(image)));
+    if profile {
+        spec.cmdline_extra = super::vm_profile::cmdline();
+    }
     spec.memory_mib = MEMORY_MIB;
     spec.relay_bin = Some(bins.host_relay.clone());
     spec.progress = false;
@@ -190,7 +215,10 @@ fn boot(
     // echoes, see `load::burst`, plus its connects). TCG is slow and the machine shared:
     // allow five times that, and two minutes for the boot.
     let per_round = 3 * (3 * s.vm_window_ms + 20_000);
-    let timeout = Duration::from_millis(120_000 + 5 * per_round * s.vm_rounds as u64);
+    let mut timeout = Duration::from_millis(120_000 + 5 * per_round * s.vm_rounds as u64);
+    if profile {
+        timeout += Duration::from_millis(super::vm_profile::EXTRA_TIMEOUT_MS);
+    }
     let mut vm = Vm::start(spec).map_err(|e| e.to_string())?;
     vm.wait_for_console("guest-probe: load finished", timeout)
         .map_err(|e| e.to_string())?;
@@ -205,21 +233,28 @@ fn boot(
         .filter(|l| l.contains("guest-probe: load error") || l.contains("guest-probe: load burst"))
         .map(|l| format!("VM forwarders: {}", l.trim()))
         .collect();
-    Ok((lines, errors))
+    Ok((lines, errors, super::vm_profile::lines(&console)))
 }
 
-/// The forwarder rows: `s.vm_boots` boots of `s.vm_rounds` rounds each.
-pub fn figures(dir: &Path, s: &Settings, notes: &mut Vec<String>) -> Vec<Row> {
+/// The forwarder rows: `s.vm_boots` boots of `s.vm_rounds` rounds each; with
+/// `--vm-profile`, the profile lines of every boot go to `profile`.
+pub fn figures(
+    dir: &Path,
+    s: &Settings,
+    notes: &mut Vec<String>,
+    profile: &mut Vec<String>,
+) -> Vec<Row> {
     let mut lines = Vec::new();
-    match prepare(dir) {
+    match prepare(dir, s, notes) {
         Err(e) => notes.push(format!("VM forwarders not measured: {e}")),
-        Ok((bins, socat, echo)) => {
+        Ok((bins, carried, echo)) => {
             for i in 0..s.vm_boots {
                 eprintln!("bench: VM forwarders, boot {} of {}", i + 1, s.vm_boots);
-                match boot(&bins, &socat, echo.path(), s) {
-                    Ok((l, errors)) => {
+                match boot(&bins, &carried, echo.path(), s) {
+                    Ok((l, errors, p)) => {
                         lines.extend(l);
                         notes.extend(errors);
+                        profile.extend(p);
                     }
                     Err(e) => notes.push(format!("VM forwarders boot {} failed: {e}", i + 1)),
                 }
@@ -229,13 +264,26 @@ pub fn figures(dir: &Path, s: &Settings, notes: &mut Vec<String>) -> Vec<Row> {
     rows(&lines, s.vm_burst)
 }
 
-fn prepare(dir: &Path) -> Result<(Binaries, Vec<ExtraFile>, EchoServer), String> {
+fn prepare(
+    dir: &Path,
+    s: &Settings,
+    notes: &mut Vec<String>,
+) -> Result<(Binaries, Carried, EchoServer), String> {
     let have_socat = which("socat").is_some();
     let bins = super::vm::preflight(&[(have_socat, "socat (apt-get install socat)")])?;
     let socat = socat_files()?;
+    // Profiling is an extra: without perf the comparison runs as always.
+    let perf = match s.vm_profile.then(super::vm_profile::files) {
+        Some(Err(e)) => {
+            notes.push(format!("--vm-profile skipped: {e}"));
+            None
+        }
+        Some(Ok(files)) => Some(files),
+        None => None,
+    };
     let echo = EchoServer::start(&dir.join("vm-echo.sock"))
         .map_err(|e| format!("cannot start the echo service: {e}"))?;
-    Ok((bins, socat, echo))
+    Ok((bins, Carried { socat, perf }, echo))
 }
 
 /// Medians over every round of `key` per path; with `worst`, the smallest value.
