@@ -225,15 +225,22 @@ pub async fn dovecot_session(
             }
             fed?;
         }
+        // A guest that has closed entirely can be sent nothing more: end both directions
+        // now instead of half-closing and waiting for the service (as `pump::relay` does).
+        if guest.hung_up() {
+            return Ok(true);
+        }
         let _ = service.shutdown_write();
-        Ok(())
+        Ok(false)
     };
     tokio::pin!(up, down);
     let (mut up_done, mut down_done) = (false, false);
     while !(up_done && down_done) {
         tokio::select! {
             r = &mut up, if !up_done => {
-                r?;
+                if r? {
+                    break;
+                }
                 up_done = true;
             }
             _ = &mut down, if !down_done => down_done = true,

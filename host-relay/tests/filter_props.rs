@@ -326,3 +326,43 @@ async fn a_bad_line_closes_the_connection_and_nothing_of_it_is_sent() {
     // And the guest's side is closed.
     assert_eq!(guest.read(&mut buf).await.unwrap(), 0);
 }
+
+/// A guest that closed its socket entirely after its request is closed through to the
+/// service at once (a half-close and a later close would be two wake-ups of Dovecot and
+/// the relay): the moment the service reads the end, a reply already fails with `EPIPE`.
+#[tokio::test]
+async fn a_guest_that_closed_entirely_is_closed_through_at_once() {
+    use std::os::fd::AsRawFd;
+
+    let (guest, guest_relay) = pair().await;
+    let (service_relay, service) = pair().await;
+    let p = policy(RipRule::Drop);
+    let session = tokio::spawn(async move {
+        host_relay::serve::dovecot_session(&guest_relay, &service_relay, &p).await
+    });
+    guest.write_all(b"VERSION\t1\t2\nCPID\t9\n").await.unwrap();
+    drop(guest);
+    let mut got = Vec::new();
+    let mut buf = [0u8; 1024];
+    loop {
+        let n = service.read(&mut buf).await.unwrap();
+        if n == 0 {
+            break;
+        }
+        got.extend_from_slice(&buf[..n]);
+    }
+    assert_eq!(got, b"VERSION\t1\t2\nCPID\t9\n");
+    // No await between the end and this send: on this single-threaded runtime the
+    // session cannot close its socket in between.
+    let reply = nix::sys::socket::send(
+        service.as_raw_fd(),
+        b"OK\t1\n",
+        nix::sys::socket::MsgFlags::MSG_NOSIGNAL,
+    );
+    assert_eq!(
+        reply,
+        Err(nix::errno::Errno::EPIPE),
+        "the session half-closed the service for a guest that had gone entirely"
+    );
+    session.await.unwrap().unwrap();
+}

@@ -24,8 +24,10 @@ use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
 use std::task::{ready, Context, Poll};
 
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::socket::{self, AddressFamily, MsgFlags, SockaddrLike};
 use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
@@ -73,22 +75,42 @@ pub(crate) fn set_nonblocking(fd: &OwnedFd) -> io::Result<()> {
 /// It implements [`AsyncRead`] and [`AsyncWrite`] for ordinary protocol code; the pump uses
 /// its readiness methods directly so that it holds no buffer while a connection is idle.
 ///
-/// **No reactor turn before the first byte.** tokio learns a new descriptor's readiness
-/// only from the reactor's next `epoll_wait`, so a connection that waited for readiness
-/// before its first `send` and its first `recv` would spend a turn of the event loop per
-/// new connection before any byte could move (the profile of connection setup showed it:
-/// see `docs/BENCHMARKS.md`). Two facts the kernel guarantees make that wait unnecessary:
-/// an established stream socket on which nothing has been sent has an empty send queue,
-/// so it can take data ([`Conn::writable`] returns at once until the first write), and a
-/// `recv` that finds nothing says so with `EAGAIN` ([`Conn::read_pooled`] tries once
-/// before it waits, the first time).
+/// **Writes are tried, not waited for; only reads are watched.** The socket is registered
+/// for readability alone. A stream socket's `EPOLLOUT` is edge-triggered by every bit of
+/// room the peer makes, so a socket registered for writability wakes its process each
+/// time the peer reads what was sent: one wake-up for nothing per message and hop, as
+/// many as the wake-ups that carry data (the system-call trace of a relayed echo in
+/// `docs/BENCHMARKS.md` showed them). Instead a write is simply tried; only when one finds
+/// the socket full (`EAGAIN`) is a duplicate of the descriptor registered for
+/// writability, kept from then on, and waited on until a write goes through
+/// ([`Conn::write_with`]). Until a write has found the socket full, [`Conn::writable`]
+/// returns at once. This also means no reactor turn before a new connection's first byte:
+/// tokio learns a new descriptor's readiness only from the reactor's next `epoll_wait`,
+/// and an established socket can take data at once.
+///
+/// **No reactor turn before the first read either.** A `recv` that finds nothing says so
+/// with `EAGAIN`, so [`Conn::read_pooled`] tries once before it waits, the first time, on
+/// an accepted connection (whose caller has usually sent by then).
+///
+/// **No `EAGAIN` after a short read.** A stream `recv` (Unix, vsock, TCP) copies from
+/// the receive queue until the buffer is full or the queue is empty, so a read that
+/// returns less than the buffer's room has emptied the queue: the readiness is cleared
+/// there, as tokio's own streams do, instead of by one more `recv` that fails with
+/// `EAGAIN` (one system call per message and hop: the setup profile in
+/// `docs/BENCHMARKS.md` counted them). Bytes or an end that arrive after the `recv` are a
+/// newer readiness event, which clearing the one observed does not remove, and tokio
+/// never clears the closed state.
 #[derive(Debug)]
 pub struct Conn {
+    /// The socket, registered for readability only.
     fd: AsyncFd<OwnedFd>,
+    /// A duplicate of the socket registered for writability, made the first time a write
+    /// finds the socket full and kept from then on.
+    write_watch: OnceLock<AsyncFd<OwnedFd>>,
+    /// The last write found the socket full, and none has gone through since.
+    full: AtomicBool,
     /// The most bytes one `send` may carry ([`send_limit`]).
     max_send: usize,
-    /// Established, and nothing has been written on it yet: its send queue is empty.
-    unwritten: AtomicBool,
     /// Nothing has been read from it yet: the first read tries before it waits.
     unread: AtomicBool,
     /// A Unix stream socket: the pump may `splice` to and from it ([`crate::splice`]).
@@ -107,9 +129,9 @@ impl Conn {
     }
 
     /// Registers a connected stream socket that is already non-blocking and whose family
-    /// the caller knows (it just accepted or dialled it, as a stream socket): three system
-    /// calls fewer per connection than [`Conn::from_owned`].
-    pub(crate) fn from_nonblocking(fd: OwnedFd, family: AddressFamily) -> io::Result<Self> {
+    /// the caller knows (it just accepted it, as a stream socket): three system calls
+    /// fewer per connection than [`Conn::from_owned`].
+    pub(crate) fn from_accepted(fd: OwnedFd, family: AddressFamily) -> io::Result<Self> {
         let max_send = if family == AddressFamily::Vsock {
             VSOCK_MAX_SEND
         } else {
@@ -118,11 +140,22 @@ impl Conn {
         Conn::register(fd, max_send, family == AddressFamily::Unix)
     }
 
+    /// [`Conn::from_accepted`] for a socket this process just dialled. Its first read
+    /// waits for a readiness report instead of trying at once: a caller has usually sent
+    /// its first bytes by the time it is accepted, but a service that has only just
+    /// accepted cannot have answered yet, so trying would only cost an `EAGAIN`.
+    pub(crate) fn from_dialled(fd: OwnedFd, family: AddressFamily) -> io::Result<Self> {
+        let conn = Conn::from_accepted(fd, family)?;
+        conn.unread.store(false, Ordering::Relaxed);
+        Ok(conn)
+    }
+
     fn register(fd: OwnedFd, max_send: usize, splices: bool) -> io::Result<Self> {
         Ok(Conn {
-            fd: register(fd, Interest::READABLE | Interest::WRITABLE)?,
+            fd: register(fd, Interest::READABLE)?,
+            write_watch: OnceLock::new(),
+            full: AtomicBool::new(false),
             max_send,
-            unwritten: AtomicBool::new(true),
             unread: AtomicBool::new(true),
             splices,
         })
@@ -138,19 +171,19 @@ impl Conn {
         &self.fd
     }
 
-    /// Whether nothing had been written yet; from now on, something has.
-    pub(crate) fn take_unwritten(&self) -> bool {
-        self.unwritten.swap(false, Ordering::Relaxed)
-    }
-
     /// Whether nothing had been read yet; from now on, something has.
     pub(crate) fn take_unread(&self) -> bool {
         self.unread.swap(false, Ordering::Relaxed)
     }
 
     /// Waits for a non-blocking connect in progress to finish, and reports its outcome.
+    /// It watches a duplicate registered for writability only while it waits (see
+    /// [`watch`]), so the connection does not keep waking on room once established.
     pub(crate) async fn connected(&self) -> io::Result<()> {
-        self.fd.writable().await?.retain_ready();
+        watch(self.fd.get_ref(), Interest::WRITABLE)?
+            .writable()
+            .await?
+            .retain_ready();
         let err: i32 = socket::getsockopt(self.fd.get_ref(), socket::sockopt::SocketError)?;
         if err != 0 {
             return Err(io::Error::from_raw_os_error(err));
@@ -184,7 +217,14 @@ impl Conn {
         loop {
             let mut guard = self.fd.readable().await?;
             match guard.try_io(|fd| recv(fd.get_ref().as_fd(), buf)) {
-                Ok(r) => return r,
+                Ok(Ok(n)) => {
+                    if n > 0 && n < buf.len() {
+                        // A short read emptied the receive queue (see the type's docs).
+                        guard.clear_ready();
+                    }
+                    return Ok(n);
+                }
+                Ok(Err(e)) => return Err(e),
                 Err(_would_block) => continue,
             }
         }
@@ -210,9 +250,16 @@ impl Conn {
         loop {
             let mut guard = self.fd.readable().await?;
             let mut buf = PooledBuf::take();
+            let room = buf.spare_mut().len();
             match guard.try_io(|fd| recv(fd.get_ref().as_fd(), buf.spare_mut())) {
                 Ok(Ok(0)) => return Ok(None),
                 Ok(Ok(n)) => {
+                    if n < room {
+                        // A short read emptied the receive queue (see the type's
+                        // documentation): wait for the kernel's next report rather than
+                        // learn it from an `EAGAIN`.
+                        guard.clear_ready();
+                    }
                     buf.set_len(n);
                     return Ok(Some(buf));
                 }
@@ -224,35 +271,56 @@ impl Conn {
     }
 
     /// Waits until the socket can take data (or has failed, so that a write would report
-    /// why). The readiness is kept, so a `write_all` right after sends without waiting.
-    /// A connection on which nothing has been written yet can: it returns at once.
+    /// why): at once unless the last write found it full, else until the kernel reports
+    /// room. The readiness is kept, so a `write_all` right after sends without waiting.
     pub async fn writable(&self) -> io::Result<()> {
-        if self.unwritten.load(Ordering::Relaxed) {
+        if !self.full.load(Ordering::Relaxed) {
             return Ok(());
         }
-        self.fd.writable().await.map(drop)
+        self.write_watch()?.writable().await.map(drop)
+    }
+
+    /// Writes with `op` (a `send`, or a `splice` into this socket) and returns what it
+    /// returns: at once unless the last write found the socket full; after an `EAGAIN`,
+    /// once the kernel reports room (see the type's documentation).
+    pub(crate) async fn write_with(
+        &self,
+        mut op: impl FnMut(BorrowedFd<'_>) -> io::Result<usize>,
+    ) -> io::Result<usize> {
+        if !self.full.load(Ordering::Relaxed) {
+            match op(self.as_fd()) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    self.full.store(true, Ordering::Relaxed)
+                }
+                done => return done,
+            }
+        }
+        let watch = self.write_watch()?;
+        loop {
+            let mut guard = watch.writable().await?;
+            if let Ok(done) = guard.try_io(|_| op(self.as_fd())) {
+                self.full.store(false, Ordering::Relaxed);
+                return done;
+            }
+        }
+    }
+
+    /// The duplicate registered for writability, made on first use.
+    fn write_watch(&self) -> io::Result<&AsyncFd<OwnedFd>> {
+        if let Some(w) = self.write_watch.get() {
+            return Ok(w);
+        }
+        let w = watch(self.fd.get_ref(), Interest::WRITABLE)?;
+        Ok(self.write_watch.get_or_init(|| w))
     }
 
     /// Writes all of `buf` before returning, waiting for the peer as needed.
     pub async fn write_all(&self, mut buf: &[u8]) -> io::Result<()> {
-        if !buf.is_empty() && self.take_unwritten() {
-            // The first write: the send queue is empty, so send before waiting.
-            let part = &buf[..buf.len().min(self.max_send)];
-            match send(self.as_fd(), part) {
-                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => buf = &buf[n..],
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                Err(e) => return Err(e),
-            }
-        }
         while !buf.is_empty() {
-            let mut guard = self.fd.writable().await?;
             let part = &buf[..buf.len().min(self.max_send)];
-            match guard.try_io(|fd| send(fd.get_ref().as_fd(), part)) {
-                Ok(Ok(0)) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(Ok(n)) => buf = &buf[n..],
-                Ok(Err(e)) => return Err(e),
-                Err(_would_block) => continue,
+            match self.write_with(|fd| send(fd, part)).await? {
+                0 => return Err(io::ErrorKind::WriteZero.into()),
+                n => buf = &buf[n..],
             }
         }
         Ok(())
@@ -283,8 +351,7 @@ impl Conn {
     /// It watches a duplicate of the descriptor, registered on its own, so waiting here
     /// never takes readiness away from this connection's own reads and writes.
     pub async fn peer_gone(&self) -> io::Result<()> {
-        let dup = self.fd.get_ref().try_clone()?;
-        let watch = register(dup, Interest::WRITABLE)?;
+        let watch = watch(self.fd.get_ref(), Interest::WRITABLE)?;
         loop {
             let mut guard = watch.writable().await?;
             if guard.ready().is_write_closed() {
@@ -294,6 +361,17 @@ impl Conn {
             // closed state, once it comes, is never cleared, so it cannot be missed.
             guard.clear_ready();
         }
+    }
+
+    /// Whether the peer has closed the connection entirely (`POLLHUP`), asked of the
+    /// kernel now, without waiting: [`Conn::peer_gone`] without the reactor turn, for the
+    /// moment a direction ends.
+    pub fn hung_up(&self) -> bool {
+        let mut fds = [PollFd::new(self.as_fd(), PollFlags::empty())];
+        matches!(poll(&mut fds, PollTimeout::ZERO), Ok(1))
+            && fds[0]
+                .revents()
+                .is_some_and(|r| r.contains(PollFlags::POLLHUP))
     }
 
     /// Gives the descriptor back, deregistered from tokio.
@@ -314,7 +392,16 @@ impl AsFd for Conn {
     }
 }
 
+/// A duplicate of `fd` registered with `interest` on its own: waiting on it never takes
+/// readiness away from the connection's own registration, and dropping it deregisters
+/// and closes only the duplicate.
+fn watch(fd: &OwnedFd, interest: Interest) -> io::Result<AsyncFd<OwnedFd>> {
+    register(fd.try_clone()?, interest)
+}
+
 fn recv(fd: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<usize> {
+    #[cfg(test)]
+    tests::RECVS.with(|n| n.set(n.get() + 1));
     Ok(socket::recv(fd.as_raw_fd(), buf, MsgFlags::empty())?)
 }
 
@@ -351,13 +438,22 @@ impl AsyncWrite for Conn {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        self.unwritten.store(false, Ordering::Relaxed);
+        // `Conn::write_with`, as a poll.
+        let part = &buf[..buf.len().min(self.max_send)];
+        if !self.full.load(Ordering::Relaxed) {
+            match send(self.as_fd(), part) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    self.full.store(true, Ordering::Relaxed)
+                }
+                done => return Poll::Ready(done),
+            }
+        }
+        let watch = self.write_watch()?;
         loop {
-            let mut guard = ready!(self.fd.poll_write_ready(cx))?;
-            let part = &buf[..buf.len().min(self.max_send)];
-            match guard.try_io(|fd| send(fd.get_ref().as_fd(), part)) {
-                Ok(r) => return Poll::Ready(r),
-                Err(_would_block) => continue,
+            let mut guard = ready!(watch.poll_write_ready(cx))?;
+            if let Ok(done) = guard.try_io(|_| send(self.as_fd(), part)) {
+                self.full.store(false, Ordering::Relaxed);
+                return Poll::Ready(done);
             }
         }
     }
@@ -372,81 +468,4 @@ impl AsyncWrite for Conn {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::endpoint::Endpoint;
-    use std::future::Future;
-
-    /// Polls a future once: its output if it completed without waiting for anything (in
-    /// particular, without a turn of the reactor), else `None`.
-    fn first_poll<F: Future>(f: F) -> Option<F::Output> {
-        let mut f = std::pin::pin!(f);
-        let mut cx = Context::from_waker(std::task::Waker::noop());
-        match f.as_mut().poll(&mut cx) {
-            Poll::Ready(v) => Some(v),
-            Poll::Pending => None,
-        }
-    }
-
-    /// A new connection's first bytes move in the same turn of the event loop that made
-    /// it: the dial completes in the call, the first write needs no writability report and
-    /// the first read no readability report. (Waiting for either costs a reactor turn per
-    /// connection; the benchmark's connection setup figure showed it.)
-    #[tokio::test]
-    async fn a_new_connection_moves_bytes_without_a_reactor_turn() {
-        let dir = tempfile::tempdir().unwrap();
-        let ep = Endpoint::Unix(dir.path().join("s"));
-        let l = ep.listen().unwrap();
-        let client = first_poll(ep.connect())
-            .expect("a Unix connect completes in the call")
-            .unwrap();
-        first_poll(client.writable())
-            .expect("nothing written yet: writable at once")
-            .unwrap();
-        first_poll(client.write_all(b"first"))
-            .expect("the first write waited for the reactor")
-            .unwrap();
-        let (server, _) = l.try_accept().unwrap().expect("the connection is queued");
-        let chunk = first_poll(server.read_pooled())
-            .expect("the first read waited for the reactor")
-            .unwrap()
-            .unwrap();
-        assert_eq!(&chunk[..], b"first");
-        // Once something was written, writability is the reactor's to report again.
-        assert!(
-            first_poll(server.write_all(b"x")).is_some(),
-            "the server's first write"
-        );
-        let mut buf = [0u8; 8];
-        assert_eq!(client.read(&mut buf).await.unwrap(), 1);
-    }
-
-    /// The shortcut is for the first read only, and an empty socket still waits.
-    #[tokio::test]
-    async fn a_first_read_with_nothing_queued_waits() {
-        let (a, b) = Conn::seqpacket_pair().unwrap();
-        let read = a.read_pooled();
-        let mut read = std::pin::pin!(read);
-        let mut cx = Context::from_waker(std::task::Waker::noop());
-        assert!(read.as_mut().poll(&mut cx).is_pending());
-        b.write_all(b"late").await.unwrap();
-        let chunk = read.await.unwrap().unwrap();
-        assert_eq!(&chunk[..], b"late");
-    }
-
-    #[test]
-    fn only_vsock_sends_are_capped() {
-        let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
-        assert_eq!(send_limit(&OwnedFd::from(a)), usize::MAX);
-        match socket::socket(
-            socket::AddressFamily::Vsock,
-            socket::SockType::Stream,
-            socket::SockFlag::empty(),
-            None,
-        ) {
-            Ok(fd) => assert_eq!(send_limit(&fd), VSOCK_MAX_SEND),
-            // The VM tests cover vsock where the host has no AF_VSOCK.
-            Err(e) => eprintln!("no AF_VSOCK on this host ({e}); vsock half not run"),
-        }
-    }
-}
+mod tests;

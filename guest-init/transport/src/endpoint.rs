@@ -147,7 +147,7 @@ impl Endpoint {
                 loop {
                     let fd = new_socket(AddressFamily::Unix)?;
                     match socket::connect(fd.as_raw_fd(), &addr) {
-                        Ok(()) => return Conn::from_nonblocking(fd, AddressFamily::Unix),
+                        Ok(()) => return Conn::from_dialled(fd, AddressFamily::Unix),
                         Err(nix::errno::Errno::EAGAIN) => {
                             drop(fd);
                             tokio::time::sleep(pause).await;
@@ -170,7 +170,7 @@ impl Endpoint {
                     Err(nix::errno::Errno::EINPROGRESS) => true,
                     Err(e) => return Err(e.into()),
                 };
-                let conn = Conn::from_nonblocking(fd, AddressFamily::Vsock)?;
+                let conn = Conn::from_dialled(fd, AddressFamily::Vsock)?;
                 if in_progress {
                     conn.connected().await?;
                 }

@@ -130,7 +130,7 @@ impl Listener {
                     Endpoint::Tcp(a) if a.is_ipv4() => (AddressFamily::Inet, peer_of(&fd)),
                     Endpoint::Tcp(_) => (AddressFamily::Inet6, peer_of(&fd)),
                 };
-                Ok(Some((Conn::from_nonblocking(fd, family)?, peer)))
+                Ok(Some((Conn::from_accepted(fd, family)?, peer)))
             }
             Err(nix::errno::Errno::EAGAIN) => Ok(None),
             Err(e) => Err(e.into()),

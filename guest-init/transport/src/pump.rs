@@ -28,6 +28,7 @@
 //! whose read fills a whole buffer (a bulk flow) moves the rest of its chunks with
 //! `splice(2)` through pooled pipes instead, under the same contract ([`crate::splice`]).
 
+use std::future::Future;
 use std::io;
 
 use crate::conn::Conn;
@@ -73,32 +74,68 @@ async fn copy_buffered(from: &Conn, to: &Conn) -> io::Result<u64> {
     }
 }
 
+/// How one direction of [`relay`] ended without an error.
+enum Ended {
+    /// End of stream, passed on as a half-close: the other direction may still flow.
+    HalfClosed(u64),
+    /// End of stream from a source that had closed entirely: nothing can be delivered to
+    /// it any more, so the relay ends at once.
+    SourceGone(u64),
+}
+
+/// One direction of [`relay`]: [`copy`], except that the end of a source that has closed
+/// entirely is not passed on as a half-close. The relay closes both sockets at once
+/// instead, and the far end sees one close, not a half-close and later a close (two
+/// wake-ups where one does, on every hop of a chain).
+async fn direction(from: &Conn, to: &Conn) -> io::Result<Ended> {
+    match copy_buffered(from, to).await {
+        Ok(n) if from.hung_up() => Ok(Ended::SourceGone(n)),
+        result => {
+            let _ = to.shutdown_write();
+            result.map(Ended::HalfClosed)
+        }
+    }
+}
+
+/// The rest of [`relay`] once one direction has ended with `first`: the other direction
+/// (towards `peer`) runs on until it ends or `peer` is gone, unless `peer` had already
+/// gone. Returns both directions' results, the first one first.
+async fn finish(
+    first: io::Result<Ended>,
+    peer: &Conn,
+    other: impl Future<Output = io::Result<Ended>>,
+) -> (io::Result<u64>, io::Result<u64>) {
+    let gone = || io::Error::new(io::ErrorKind::BrokenPipe, "the peer closed the connection");
+    match first {
+        Ok(Ended::SourceGone(n)) => (Ok(n), Err(gone())),
+        first => {
+            let rest = tokio::select! {
+                r = other => r.map(Ended::bytes),
+                g = peer.peer_gone() => Err(g.err().unwrap_or_else(gone)),
+            };
+            (first.map(Ended::bytes), rest)
+        }
+    }
+}
+
 /// Relays both directions between `a` and `b` until both have ended.
 ///
 /// A direction also ends when its destination's peer has gone entirely (`HUP`) after the
 /// opposite direction ended: nothing can be delivered there any more. Without this, an
 /// app that closes its socket while the far side keeps quiet would pin the connection
 /// forever on transports that do not pass a half-close on (vhost-device-vsock 0.3.0 does
-/// not: every closed sign-in stayed open in the relay and the VMM).
+/// not: every closed sign-in stayed open in the relay and the VMM). When the peer had
+/// already gone at its end of stream (the usual close of a finished request), the relay
+/// ends right there, without passing a half-close on or waiting for the far side.
 pub async fn relay(a: &Conn, b: &Conn) -> Totals {
-    let ab = copy(a, b);
-    let ba = copy(b, a);
+    let ab = direction(a, b);
+    let ba = direction(b, a);
     tokio::pin!(ab, ba);
-    let gone = || io::Error::new(io::ErrorKind::BrokenPipe, "the peer closed the connection");
     let (ab, ba) = tokio::select! {
-        r = &mut ab => {
-            // `a` sent its end; `ba` writes to `a`.
-            let rest = tokio::select! {
-                r = &mut ba => r,
-                g = a.peer_gone() => Err(g.err().unwrap_or_else(gone)),
-            };
-            (r, rest)
-        }
+        // `a` sent its end; `ba` writes to `a`.
+        r = &mut ab => finish(r, a, &mut ba).await,
         r = &mut ba => {
-            let rest = tokio::select! {
-                r = &mut ab => r,
-                g = b.peer_gone() => Err(g.err().unwrap_or_else(gone)),
-            };
+            let (r, rest) = finish(r, b, &mut ab).await;
             (rest, r)
         }
     };
@@ -117,6 +154,14 @@ pub async fn relay(a: &Conn, b: &Conn) -> Totals {
         a_to_b,
         b_to_a,
         error,
+    }
+}
+
+impl Ended {
+    fn bytes(self) -> u64 {
+        match self {
+            Ended::HalfClosed(n) | Ended::SourceGone(n) => n,
+        }
     }
 }
 
@@ -212,6 +257,39 @@ mod tests {
             .expect("the relay kept a connection whose service had gone")
             .unwrap();
         drop(client);
+    }
+
+    /// A caller that closed its socket entirely after its request is closed through at
+    /// once: the service's end of stream is the relay's close, not a half-close followed
+    /// later by a close (a wake-up more on every hop of a chain). Seen from the service:
+    /// the moment it reads the end, a reply already fails with `EPIPE`.
+    #[tokio::test]
+    async fn a_caller_that_closed_entirely_is_closed_through_at_once() {
+        use nix::sys::socket::{send, MsgFlags};
+        use std::os::fd::AsRawFd;
+
+        let dir = tempfile::tempdir().unwrap();
+        let (client, relay_a) = pair(dir.path(), "a").await;
+        let (relay_b, server) = pair(dir.path(), "b").await;
+        let task = tokio::spawn(async move { relay(&relay_a, &relay_b).await });
+        client.write_all(b"request").await.unwrap();
+        drop(client);
+        let mut got = Vec::new();
+        while let Some(c) = server.read_pooled().await.unwrap() {
+            got.extend_from_slice(&c);
+        }
+        assert_eq!(got, b"request");
+        // No await between the end and this send: on this single-threaded runtime the
+        // relay cannot close its socket in between, so only a relay that had already
+        // closed (rather than half-closed) it makes the send fail.
+        let reply = send(server.as_raw_fd(), b"late", MsgFlags::MSG_NOSIGNAL);
+        assert_eq!(
+            reply,
+            Err(nix::errno::Errno::EPIPE),
+            "the relay passed a half-close on for a caller that had gone entirely"
+        );
+        let totals = task.await.unwrap();
+        assert_eq!(totals.a_to_b, 7);
     }
 
     /// A half-close is not a close: the caller that only shut its sending side still gets

@@ -215,23 +215,12 @@ async fn splice_in(from: &Conn, chunk: usize) -> io::Result<In> {
 
 /// Splices everything in `pipe` into `to`, waiting for room as needed.
 async fn splice_out(mut pipe: Pipe, to: &Conn) -> io::Result<()> {
-    if to.take_unwritten() {
-        // Nothing was written on `to` yet: its send queue is empty (see `Conn`).
-        match splice(&pipe.ends()?.read, to, pipe.held) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => pipe.held -= n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-            Err(e) => return Err(e),
-        }
-    }
     while pipe.held > 0 {
-        let mut guard = to.async_fd().writable().await?;
+        let held = pipe.held;
         let read_end = &pipe.ends()?.read;
-        match guard.try_io(|fd| splice(read_end, fd.get_ref(), pipe.held)) {
-            Ok(Ok(0)) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(Ok(n)) => pipe.held -= n,
-            Ok(Err(e)) => return Err(e),
-            Err(_would_block) => continue,
+        match to.write_with(|fd| splice(read_end, fd, held)).await? {
+            0 => return Err(io::ErrorKind::WriteZero.into()),
+            n => pipe.held -= n,
         }
     }
     Ok(())
