@@ -14,6 +14,7 @@
 
 use std::hash::{BuildHasher, Hasher};
 use std::io;
+use std::os::fd::OwnedFd;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -138,8 +139,13 @@ pub(crate) fn retryable(e: &io::Error) -> bool {
     ) || e.kind() == io::ErrorKind::TimedOut
 }
 
-/// Dials `target` under `policy`: see [`DialPolicy`].
-pub(crate) async fn dial(target: &Endpoint, policy: &DialPolicy) -> Result<Conn, DialFailure> {
+/// Dials `target` under `policy`: see [`DialPolicy`]. The first attempt uses `reserved`
+/// when given (a socket of the target's family, [`Endpoint::connect_with`]).
+pub(crate) async fn dial(
+    target: &Endpoint,
+    policy: &DialPolicy,
+    mut reserved: Option<OwnedFd>,
+) -> Result<Conn, DialFailure> {
     let start = Instant::now();
     let deadline = start + Duration::from_millis(policy.timeout_ms);
     let mut backoff = Duration::from_millis(policy.backoff_initial_ms);
@@ -149,20 +155,21 @@ pub(crate) async fn dial(target: &Endpoint, policy: &DialPolicy) -> Result<Conn,
     loop {
         attempt += 1;
         let remaining = deadline.saturating_duration_since(Instant::now());
-        let error = match tokio::time::timeout(remaining, target.connect()).await {
-            Ok(Ok(conn)) => {
-                debug!("reached {target} at attempt {attempt}");
-                return Ok(conn);
-            }
-            Ok(Err(e)) => e,
-            Err(_elapsed) => io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!(
-                    "no answer within the dial timeout of {} ms",
-                    policy.timeout_ms
+        let error =
+            match tokio::time::timeout(remaining, target.connect_with(reserved.take())).await {
+                Ok(Ok(conn)) => {
+                    debug!("reached {target} at attempt {attempt}");
+                    return Ok(conn);
+                }
+                Ok(Err(e)) => e,
+                Err(_elapsed) => io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "no answer within the dial timeout of {} ms",
+                        policy.timeout_ms
+                    ),
                 ),
-            ),
-        };
+            };
         let left = deadline.saturating_duration_since(Instant::now());
         if !retryable(&error) || attempt >= attempts || left.is_zero() {
             return Err(DialFailure {
@@ -338,7 +345,7 @@ mod tests {
             backoff_max_ms: 60_000,
             timeout_ms: 1000,
         };
-        let f = dial(&Endpoint::Unix(dir.path().join("none")), &policy)
+        let f = dial(&Endpoint::Unix(dir.path().join("none")), &policy, None)
             .await
             .unwrap_err();
         assert!(f.attempts <= 12, "{} attempts", f.attempts);
@@ -364,7 +371,7 @@ mod tests {
             backoff_max_ms: 2,
             timeout_ms: 60_000,
         };
-        let f = dial(&Endpoint::Unix(dir.path().join("none")), &policy)
+        let f = dial(&Endpoint::Unix(dir.path().join("none")), &policy, None)
             .await
             .unwrap_err();
         assert_eq!(f.attempts, 3);
@@ -372,7 +379,7 @@ mod tests {
         // A permanent error (a path through a regular file) is not retried.
         let file = dir.path().join("file");
         std::fs::write(&file, b"").unwrap();
-        let f = dial(&Endpoint::Unix(file.join("sock")), &policy)
+        let f = dial(&Endpoint::Unix(file.join("sock")), &policy, None)
             .await
             .unwrap_err();
         assert_eq!(f.error.raw_os_error(), Some(libc::ENOTDIR));

@@ -216,7 +216,9 @@ fn publish_unix(
 
 /// Accepts forever (see [`vm_transport::accept`]); each connection becomes its own task.
 async fn accept_loop(listener: Listener, route: Arc<Route>) {
-    let opts = accept::Options { reserve: true };
+    let opts = accept::Options {
+        reserve: Some(route.target.family()),
+    };
     let on_accept = |a: Accepted| {
         debug!("{}: accepted a connection from {}", route.label, a.peer);
         tokio::spawn(serve(a.conn, a.reserve, Arc::clone(&route)));
@@ -245,9 +247,8 @@ async fn accept_loop(listener: Listener, route: Arc<Route>) {
 
 /// Serves one accepted connection: dial, then relay until both directions end.
 async fn serve(caller: Conn, reserve: Option<OwnedFd>, route: Arc<Route>) {
-    // Free the reserved slot for the dial's socket.
-    drop(reserve);
-    match dial(&route.target, &route.dial).await {
+    // The reserve is the socket the dial's first attempt uses.
+    match dial(&route.target, &route.dial, reserve).await {
         Ok(upstream) => {
             let t = pump::relay(&caller, &upstream).await;
             debug!(

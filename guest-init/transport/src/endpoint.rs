@@ -133,6 +133,27 @@ impl Endpoint {
 
     /// Dials the endpoint. The returned connection is non-blocking and registered.
     pub async fn connect(&self) -> io::Result<Conn> {
+        self.connect_with(None).await
+    }
+
+    /// The family of the sockets [`Endpoint::connect`] makes.
+    pub fn family(&self) -> AddressFamily {
+        match self {
+            Endpoint::Unix(_) => AddressFamily::Unix,
+            Endpoint::Tcp(SocketAddr::V4(_)) => AddressFamily::Inet,
+            Endpoint::Tcp(SocketAddr::V6(_)) => AddressFamily::Inet6,
+            Endpoint::Vsock { .. } => AddressFamily::Vsock,
+        }
+    }
+
+    /// [`Endpoint::connect`] with, for its first attempt, a socket opened beforehand: a
+    /// non-blocking stream socket of [`Endpoint::family`] (the accept loop's reserve,
+    /// [`crate::accept::Options::reserve`]). A TCP dial makes its own.
+    pub async fn connect_with(&self, mut reserved: Option<OwnedFd>) -> io::Result<Conn> {
+        let mut socket = |family| match reserved.take() {
+            Some(fd) => Ok(fd),
+            None => new_socket(family),
+        };
         match self {
             Endpoint::Unix(path) => {
                 // A Unix connect completes in the call (the new connection is queued on
@@ -145,7 +166,7 @@ impl Endpoint {
                 let addr = UnixAddr::new(path.as_path())?;
                 let mut pause = Duration::from_millis(1);
                 loop {
-                    let fd = new_socket(AddressFamily::Unix)?;
+                    let fd = socket(AddressFamily::Unix)?;
                     match socket::connect(fd.as_raw_fd(), &addr) {
                         Ok(()) => return Conn::from_dialled(fd, AddressFamily::Unix),
                         Err(nix::errno::Errno::EAGAIN) => {
@@ -163,7 +184,7 @@ impl Endpoint {
                 Conn::from_owned(OwnedFd::from(s.into_std()?))
             }
             Endpoint::Vsock { cid, port } => {
-                let fd = new_socket(AddressFamily::Vsock)?;
+                let fd = socket(AddressFamily::Vsock)?;
                 let addr = VsockAddr::new(*cid, *port);
                 let in_progress = match socket::connect(fd.as_raw_fd(), &addr) {
                     Ok(()) => false,
@@ -311,6 +332,24 @@ mod tests {
         assert!(fl.contains(OFlag::O_NONBLOCK));
         let fd_flags = FdFlag::from_bits_truncate(fcntl(&fd, FcntlArg::F_GETFD).unwrap());
         assert!(fd_flags.contains(FdFlag::FD_CLOEXEC));
+    }
+
+    /// The accept loop's reserve is the socket the dial uses, as the kernel names it
+    /// (`socket:[inode]` in `/proc/self/fd`): the reserve costs no socket of its own.
+    #[tokio::test]
+    async fn a_reserved_socket_is_the_one_dialled() {
+        let dir = tempfile::tempdir().unwrap();
+        let ep = Endpoint::Unix(dir.path().join("s"));
+        let _l = ep.listen().unwrap();
+        let reserved = new_socket(ep.family()).unwrap();
+        let name = |fd: i32| std::fs::read_link(format!("/proc/self/fd/{fd}")).unwrap();
+        let before = name(reserved.as_raw_fd());
+        let conn = ep.connect_with(Some(reserved)).await.unwrap();
+        assert_eq!(
+            name(conn.as_raw_fd()),
+            before,
+            "the dial made a socket of its own"
+        );
     }
 
     #[test]
