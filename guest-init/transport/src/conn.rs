@@ -105,12 +105,14 @@ pub struct Conn {
     /// The socket, registered for readability only.
     fd: AsyncFd<OwnedFd>,
     /// A duplicate of the socket registered for writability, made the first time a write
-    /// finds the socket full and kept from then on.
-    write_watch: OnceLock<AsyncFd<OwnedFd>>,
+    /// finds the socket full and kept from then on. Boxed: most connections never need
+    /// one, and every byte of a `Conn` counts thousands of times in a burst.
+    write_watch: OnceLock<Box<AsyncFd<OwnedFd>>>,
     /// The last write found the socket full, and none has gone through since.
     full: AtomicBool,
-    /// The most bytes one `send` may carry ([`send_limit`]).
-    max_send: usize,
+    /// The most bytes one `send` may carry ([`send_limit`]), kept in 32 bits: a `Conn`
+    /// exists thousands of times over in a burst.
+    max_send: u32,
     /// Nothing has been read from it yet: the first read tries before it waits.
     unread: AtomicBool,
     /// A Unix stream socket: the pump may `splice` to and from it ([`crate::splice`]).
@@ -151,6 +153,7 @@ impl Conn {
     }
 
     fn register(fd: OwnedFd, max_send: usize, splices: bool) -> io::Result<Self> {
+        let max_send = u32::try_from(max_send).unwrap_or(u32::MAX);
         Ok(Conn {
             fd: register(fd, Interest::READABLE)?,
             write_watch: OnceLock::new(),
@@ -310,14 +313,14 @@ impl Conn {
         if let Some(w) = self.write_watch.get() {
             return Ok(w);
         }
-        let w = watch(self.fd.get_ref(), Interest::WRITABLE)?;
+        let w = Box::new(watch(self.fd.get_ref(), Interest::WRITABLE)?);
         Ok(self.write_watch.get_or_init(|| w))
     }
 
     /// Writes all of `buf` before returning, waiting for the peer as needed.
     pub async fn write_all(&self, mut buf: &[u8]) -> io::Result<()> {
         while !buf.is_empty() {
-            let part = &buf[..buf.len().min(self.max_send)];
+            let part = &buf[..buf.len().min(self.max_send as usize)];
             match self.write_with(|fd| send(fd, part)).await? {
                 0 => return Err(io::ErrorKind::WriteZero.into()),
                 n => buf = &buf[n..],
@@ -439,7 +442,7 @@ impl AsyncWrite for Conn {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         // `Conn::write_with`, as a poll.
-        let part = &buf[..buf.len().min(self.max_send)];
+        let part = &buf[..buf.len().min(self.max_send as usize)];
         if !self.full.load(Ordering::Relaxed) {
             match send(self.as_fd(), part) {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {

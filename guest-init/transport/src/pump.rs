@@ -109,9 +109,11 @@ async fn finish(
     match first {
         Ok(Ended::SourceGone(n)) => (Ok(n), Err(gone())),
         first => {
+            // Boxed: only a half-closed connection gets here, and the watch would
+            // otherwise enlarge every connection's task (see `crate::pool`'s burst).
             let rest = tokio::select! {
                 r = other => r.map(Ended::bytes),
-                g = peer.peer_gone() => Err(g.err().unwrap_or_else(gone)),
+                g = Box::pin(peer.peer_gone()) => Err(g.err().unwrap_or_else(gone)),
             };
             (first.map(Ended::bytes), rest)
         }
