@@ -229,6 +229,15 @@ proptest! {
     }
 }
 
+/// Everything `conn` receives until its end of stream.
+async fn read_to_end(conn: &Conn) -> Vec<u8> {
+    let mut got = Vec::new();
+    while let Some(chunk) = conn.read_pooled().await.unwrap() {
+        got.extend_from_slice(&chunk);
+    }
+    got
+}
+
 async fn pair() -> (Conn, Conn) {
     let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
     (
@@ -313,18 +322,9 @@ async fn a_bad_line_closes_the_connection_and_nothing_of_it_is_sent() {
     let r = session.await.unwrap();
     assert!(r.is_err());
     // The service got the good line, then end of stream; nothing of the bad line.
-    let mut got = Vec::new();
-    let mut buf = [0u8; 1024];
-    loop {
-        let n = service.read(&mut buf).await.unwrap();
-        if n == 0 {
-            break;
-        }
-        got.extend_from_slice(&buf[..n]);
-    }
-    assert_eq!(got, b"VERSION\t1\t2\n");
+    assert_eq!(read_to_end(&service).await, b"VERSION\t1\t2\n");
     // And the guest's side is closed.
-    assert_eq!(guest.read(&mut buf).await.unwrap(), 0);
+    assert_eq!(guest.read(&mut [0u8; 16]).await.unwrap(), 0);
 }
 
 /// A guest that closed its socket entirely after its request is closed through to the
@@ -342,16 +342,7 @@ async fn a_guest_that_closed_entirely_is_closed_through_at_once() {
     });
     guest.write_all(b"VERSION\t1\t2\nCPID\t9\n").await.unwrap();
     drop(guest);
-    let mut got = Vec::new();
-    let mut buf = [0u8; 1024];
-    loop {
-        let n = service.read(&mut buf).await.unwrap();
-        if n == 0 {
-            break;
-        }
-        got.extend_from_slice(&buf[..n]);
-    }
-    assert_eq!(got, b"VERSION\t1\t2\nCPID\t9\n");
+    assert_eq!(read_to_end(&service).await, b"VERSION\t1\t2\nCPID\t9\n");
     // No await between the end and this send: on this single-threaded runtime the
     // session cannot close its socket in between.
     let reply = nix::sys::socket::send(
