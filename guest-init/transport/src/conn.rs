@@ -29,7 +29,7 @@ use std::task::{ready, Context, Poll};
 
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::socket::{self, AddressFamily, MsgFlags, SockaddrLike};
-use tokio::io::unix::AsyncFd;
+use tokio::io::unix::{AsyncFd, AsyncFdReadyGuard};
 use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
 
 use crate::pool::PooledBuf;
@@ -290,22 +290,46 @@ impl Conn {
         &self,
         mut op: impl FnMut(BorrowedFd<'_>) -> io::Result<usize>,
     ) -> io::Result<usize> {
-        if !self.full.load(Ordering::Relaxed) {
-            match op(self.as_fd()) {
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    self.full.store(true, Ordering::Relaxed)
-                }
-                done => return done,
-            }
+        if let Some(done) = self.try_write(&mut op) {
+            return done;
         }
         let watch = self.write_watch()?;
         loop {
             let mut guard = watch.writable().await?;
-            if let Ok(done) = guard.try_io(|_| op(self.as_fd())) {
-                self.full.store(false, Ordering::Relaxed);
+            if let Some(done) = self.write_on_room(&mut guard, &mut op) {
                 return done;
             }
         }
+    }
+
+    /// The write tried at once: its outcome, or `None` when the socket is known full or
+    /// the write found it full (it is marked so), and the caller must wait for room.
+    fn try_write(
+        &self,
+        op: &mut impl FnMut(BorrowedFd<'_>) -> io::Result<usize>,
+    ) -> Option<io::Result<usize>> {
+        if self.full.load(Ordering::Relaxed) {
+            return None;
+        }
+        match op(self.as_fd()) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                self.full.store(true, Ordering::Relaxed);
+                None
+            }
+            done => Some(done),
+        }
+    }
+
+    /// The write tried once the write watch reported room: its outcome, or `None` (and
+    /// the report cleared) when the room was gone again.
+    fn write_on_room(
+        &self,
+        guard: &mut AsyncFdReadyGuard<'_, OwnedFd>,
+        op: &mut impl FnMut(BorrowedFd<'_>) -> io::Result<usize>,
+    ) -> Option<io::Result<usize>> {
+        let done = guard.try_io(|_| op(self.as_fd())).ok()?;
+        self.full.store(false, Ordering::Relaxed);
+        Some(done)
     }
 
     /// The duplicate registered for writability, made on first use.
@@ -443,19 +467,14 @@ impl AsyncWrite for Conn {
     ) -> Poll<io::Result<usize>> {
         // `Conn::write_with`, as a poll.
         let part = &buf[..buf.len().min(self.max_send as usize)];
-        if !self.full.load(Ordering::Relaxed) {
-            match send(self.as_fd(), part) {
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    self.full.store(true, Ordering::Relaxed)
-                }
-                done => return Poll::Ready(done),
-            }
+        let mut op = |fd: BorrowedFd<'_>| send(fd, part);
+        if let Some(done) = self.try_write(&mut op) {
+            return Poll::Ready(done);
         }
         let watch = self.write_watch()?;
         loop {
             let mut guard = ready!(watch.poll_write_ready(cx))?;
-            if let Ok(done) = guard.try_io(|_| send(self.as_fd(), part)) {
-                self.full.store(false, Ordering::Relaxed);
+            if let Some(done) = self.write_on_room(&mut guard, &mut op) {
                 return Poll::Ready(done);
             }
         }
